@@ -1,0 +1,664 @@
+#!/usr/bin/env python3
+"""Rollout throughput: online blockwise FP8 (this plugin) vs BF16, SGLang's pre-quantized block-FP8 and online per-channel FP8.
+
+One command, one run, one table. Each config is one subprocess of `sglang.benchmark.one_batch` (what
+`python -m sglang.bench_one_batch` runs: a static batch, prefill then greedy decode, no server) on a dummy-weight
+Qwen3-8B-shaped model (`--moe`: Qwen3-30B-A3B-shaped), with in-process hooks (see `_child`):
+
+  bf16                  qwen3-8b, no quantization (cuBLAS BF16 GEMMs)
+  fp8_online_blockwise  qwen3-8b, --quantization fp8_online_blockwise (this plugin: 128x128 FP32-scaled weight blocks
+                        quantized at load, dynamic 1x128 activation groups). Its dummy weights are left alone: the
+                        plugin quantizes SGLang's BF16 dummy values itself.
+  block_prequant        qwen3-8b-block (config.json quantization_config fp8/e4m3/dynamic/[128,128]): SGLang's own
+                        pre-quantized block-FP8 path (DeepGEMM on sm90), SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
+  fp8_channel           qwen3-8b, --quantization fp8 (online per-output-channel weight scales, per-token activations)
+
+For block_prequant and fp8_channel the FP8 dummy weights found at dummy init are refilled with U(-2,2) in e4m3 and
+weight_scale_inv := 5e-4 (SGLang's dummy init casts U(-1e-3,1e-3) to e4m3, which leaves ~98 % zeros and negative
+scales; shared/gpu/bench_block.py). fp8_channel quantizes after dummy init, so there the hook finds nothing to refill.
+
+Common flags (proven in shared/gpu/bench_block.sh): --load-format dummy --attention-backend triton
+--sampling-backend pytorch --grammar-backend none --dtype bfloat16 --disable-prefill-cuda-graph
+--cuda-graph-bs-decode <the batch sizes> --mem-fraction-static 0.7, input 512, output 1024.
+bench_one_batch warms up once at the first batch size (32 decode steps), then runs each batch size once
+(--repeat N runs the whole list N times; the table uses the last pass). Decode tok/s is bs / median step latency.
+Batch sizes whose (input+output) x bs exceed the KV pool are skipped by bench_one_batch ("skipped (KV)").
+
+Writes under --out: results.json (everything parsed), summary.md (the table), logs.tgz (per-config logs, jsonl,
+env, profiler traces), and with --profile-decode profile_top_kernels.txt.
+
+  python scripts/bench_rollout.py --out /tmp/rollout                      # 4 configs, bs 64 128, ~5-6 min warm
+  python scripts/bench_rollout.py --batch-sizes 1 8 32 64 128 256 --out /tmp/r2
+  python scripts/bench_rollout.py --moe --out /tmp/moe                    # Qwen3-30B-A3B shape (bs 32 64, out 512)
+  python scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode --batch-sizes 128 --output-len 256
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+CONFIGS = ["bf16", "fp8_online_blockwise", "block_prequant", "fp8_channel"]
+DESC = {
+    "bf16": "BF16, no quantization",
+    "fp8_online_blockwise": "--quantization fp8_online_blockwise (this plugin)",
+    "block_prequant": "pre-quantized block-FP8 checkpoint (SGLang, DeepGEMM)",
+    "fp8_channel": "--quantization fp8 (online per-channel W, per-token A)",
+}
+SHORT = {"bf16": "bf16", "fp8_online_blockwise": "online", "block_prequant": "block_prequant",
+         "fp8_channel": "fp8_channel"}
+# (numerator, denominator, metric, batch size or None for every bs, threshold)
+TARGETS = [
+    ("fp8_online_blockwise", "bf16", "decode", 128, 1.40),
+    ("fp8_online_blockwise", "block_prequant", "decode", None, 0.98),
+    ("fp8_online_blockwise", "block_prequant", "prefill", None, 0.98),
+]
+RATIO_PAIRS = [
+    ("fp8_online_blockwise", "bf16"),
+    ("fp8_online_blockwise", "block_prequant"),
+    ("fp8_online_blockwise", "fp8_channel"),
+    ("block_prequant", "bf16"),
+    ("fp8_channel", "bf16"),
+]
+METRIC_KEY = {"prefill": "prefill_throughput", "decode": "median_decode_throughput", "total": "overall_throughput"}
+ECHO_RE = re.compile(
+    r"\[fp8rl\]|\[bench_rollout\]|Load weight end|max_total_num_tokens=|Prefill\. latency|Decode\.  median|"
+    r"Total\. latency|skipping \(|Traceback|Error|error:|CUDA out of memory")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pure helpers (unit-tested in tests/test_scripts_metrics.py)
+# ----------------------------------------------------------------------------------------------------------------
+
+def model_names(moe: bool) -> tuple[str, str]:
+    return ("qwen3-30b-a3b", "qwen3-30b-a3b-block") if moe else ("qwen3-8b", "qwen3-8b-block")
+
+
+def config_spec(cfg: str, moe: bool = False) -> dict:
+    """model folder name, extra bench flags, extra env for one config."""
+    plain, block = model_names(moe)
+    if cfg == "bf16":
+        return {"model": plain, "flags": [], "env": {"FP8RL_BENCH_REFILL": "0"}}
+    if cfg == "fp8_online_blockwise":
+        return {"model": plain, "flags": ["--quantization", "fp8_online_blockwise"], "env": {"FP8RL_BENCH_REFILL": "0"}}
+    if cfg == "block_prequant":
+        return {"model": block, "flags": [], "env": {"FP8RL_BENCH_REFILL": "1"}}
+    if cfg == "fp8_channel":
+        return {"model": plain, "flags": ["--quantization", "fp8"], "env": {"FP8RL_BENCH_REFILL": "1"}}
+    raise ValueError(f"unknown config {cfg!r}; choose from {CONFIGS}")
+
+
+def bench_flags(model_path: str, batch_sizes, input_len: int, output_len: int, mem_fraction: float,
+                result_file: str, run_name: str, repeat: int = 1) -> list[str]:
+    bs_sweep = [str(b) for b in list(batch_sizes) * max(1, repeat)]
+    graph_bs = [str(b) for b in sorted(set(int(b) for b in batch_sizes))]
+    return ["--model-path", model_path, "--load-format", "dummy", "--attention-backend", "triton",
+            "--sampling-backend", "pytorch", "--grammar-backend", "none", "--dtype", "bfloat16",
+            "--batch-size", *bs_sweep, "--input-len", str(input_len), "--output-len", str(output_len),
+            "--disable-prefill-cuda-graph", "--cuda-graph-bs-decode", *graph_bs,
+            "--mem-fraction-static", str(mem_fraction), "--result-filename", result_file, "--run-name", run_name]
+
+
+def profile_flags(prefix: str, output_len: int, steps: int) -> list[str]:
+    start = max(1, min(64, output_len // 2))
+    return ["--profile", "--profile-stage", "decode", "--profile-start-step", str(start), "--profile-steps",
+            str(steps), "--profile-activities", "GPU", "--profile-prefix", prefix]
+
+
+def parse_rows_from_log(text: str) -> list[dict]:
+    """bench_one_batch's printed results after 'Benchmark ...' (fallback when it died before writing its jsonl)."""
+    rows, cur, on = [], None, False
+    for line in text.splitlines():
+        if "Benchmark ..." in line:
+            on = True
+            continue
+        if not on:
+            continue
+        m = re.search(r"Prefill\. latency: *([0-9.]+) s, throughput: *([0-9.]+)", line)
+        if m:
+            cur = {"prefill_latency": float(m[1]), "prefill_throughput": float(m[2])}
+            continue
+        m = re.search(r"Decode 0\. Batch size: *(\d+)", line)
+        if m and cur is not None:
+            cur["batch_size"] = int(m[1])
+        m = re.search(r"Decode\.  median latency: *([0-9.]+) s, median throughput: *([0-9.]+)", line)
+        if m and cur is not None:
+            cur["median_decode_latency"], cur["median_decode_throughput"] = float(m[1]), float(m[2])
+        m = re.search(r"Total\. latency: *([0-9.]+) s, throughput: *([0-9.]+)", line)
+        if m and cur is not None and "batch_size" in cur:
+            cur["total_latency"], cur["overall_throughput"] = float(m[1]), float(m[2])
+            rows.append(cur)
+            cur = None
+    return rows
+
+
+def parse_log(text: str) -> dict:
+    """Facts from one bench log: weight memory (GiB; SGLang prints GiB as 'GB'), KV-cache tokens, [fp8rl] lines..."""
+    info = {"weight_gib": None, "kv_tokens": None, "kv_dtype": None, "load_line": None, "fp8rl": [],
+            "quant_methods": [], "gemm_calls": None, "skipped_bs": [], "error_tail": []}
+    for line in text.splitlines():
+        m = re.search(r"Load weight end\..*mem usage=([0-9.]+) GB", line)
+        if m:
+            info["weight_gib"] = float(m[1])
+            info["load_line"] = line[line.index("Load weight end"):].strip()[:300]
+        m = re.search(r"max_total_num_tokens=(\d+)", line)
+        if m:
+            info["kv_tokens"] = int(m[1])
+        m = re.search(r"KV [Cc]ache (?:is )?allocated\. dtype: ([^,]+), #tokens: (\d+)", line)
+        if m:
+            info["kv_dtype"] = m[1].strip()
+            if info["kv_tokens"] is None or "Post-capture" in line:
+                info["kv_tokens_pool"] = int(m[2])
+        if "[fp8rl]" in line and len(info["fp8rl"]) < 20:
+            info["fp8rl"].append(line[line.index("[fp8rl]"):].strip()[:400])
+        if "[bench_rollout] quant methods:" in line:
+            info["quant_methods"].append(line[line.index("quant methods:"):].strip()[:600])
+        if "[bench_rollout] gemm calls" in line:
+            info["gemm_calls"] = line[line.index("gemm calls"):].strip()[:600]
+        m = re.search(r"skipping \((\d+), (\d+), (\d+)\) due to max batch size limit", line)
+        if m:
+            info["skipped_bs"].append(int(m[1]))
+    if info["kv_tokens"] is None and info.get("kv_tokens_pool") is not None:
+        info["kv_tokens"] = info["kv_tokens_pool"]
+    lines = [ln for ln in text.splitlines() if ln.strip() and not re.fullmatch(r"\[ *[0-9.]+\] *", ln)]
+    tb = [i for i, ln in enumerate(lines) if "Traceback" in ln]
+    if tb:
+        info["error_tail"] = [ln[:300] for ln in lines[tb[-1]:][-25:]]
+    return info
+
+
+def last_pass(results: dict) -> dict:
+    """(config, bs) -> the last row of that bs (the clean one when --repeat > 1)."""
+    best = {}
+    for cfg, res in results.items():
+        for r in res.get("rows", []):
+            best[(cfg, int(r["batch_size"]))] = r
+    return best
+
+
+def ratio(best: dict, num: str, den: str, bs: int, metric: str):
+    a, b = best.get((num, bs)), best.get((den, bs))
+    k = METRIC_KEY[metric]
+    if not a or not b or not a.get(k) or not b.get(k):
+        return None
+    return a[k] / b[k]
+
+
+def compute_ratios(best: dict) -> list[dict]:
+    out = []
+    bss = sorted({bs for (_, bs) in best})
+    for num, den in RATIO_PAIRS:
+        for bs in bss:
+            vals = {m: ratio(best, num, den, bs, m) for m in ("prefill", "decode", "total")}
+            if any(v is not None for v in vals.values()):
+                out.append({"num": num, "den": den, "bs": bs, **vals})
+    return out
+
+
+def check_targets(best: dict) -> list[dict]:
+    out = []
+    bss = sorted({bs for (_, bs) in best})
+    for num, den, metric, tbs, thr in TARGETS:
+        for bs in ([tbs] if tbs is not None else bss):
+            v = ratio(best, num, den, bs, metric)
+            out.append({"num": num, "den": den, "metric": metric, "bs": bs, "threshold": thr, "value": v,
+                        "status": "n/a" if v is None else ("PASS" if v >= thr else "FAIL")})
+    return out
+
+
+def _f(v, fmt="{:,.0f}", none="—"):
+    return none if v is None else fmt.format(v)
+
+
+def format_summary(results: dict, meta: dict) -> str:
+    best = last_pass(results)
+    lines = []
+    lines.append(f"## Rollout throughput: {meta.get('model_desc', '')}, input {meta.get('input_len')}, "
+                 f"output {meta.get('output_len')}, bench_one_batch (one static batch, greedy)")
+    if meta.get("device"):
+        lines.append(f"device: {meta['device']}; {meta.get('versions', '')}; {meta.get('date', '')}")
+    lines.append("")
+    lines.append("| config | bs | prefill tok/s | decode tok/s | decode ms/step | total tok/s | weight GiB | KV tokens |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for cfg, res in results.items():
+        rows = {int(r["batch_size"]): r for r in res.get("rows", [])}
+        bss = meta.get("batch_sizes") or sorted(rows)
+        for bs in bss:
+            r = rows.get(int(bs))
+            w, kv = _f(res.get("weight_gib"), "{:.2f}"), _f(res.get("kv_tokens"))
+            if r is None:
+                why = "skipped (KV)" if int(bs) in res.get("skipped_bs", []) else res.get("status", "no result")
+                lines.append(f"| {cfg} | {bs} | {why} | | | | {w} | {kv} |")
+                continue
+            lat = r.get("median_decode_latency")
+            lines.append(f"| {cfg} | {bs} | {_f(r.get('prefill_throughput'))} | {_f(r.get('median_decode_throughput'))} | "
+                         f"{_f(None if lat is None else lat * 1e3, '{:.2f}')} | {_f(r.get('overall_throughput'))} | "
+                         f"{w} | {kv} |")
+    lines.append("")
+    lines.append("| ratio (throughput) | bs | prefill | decode | total |")
+    lines.append("| --- | --- | --- | --- | --- |")
+    for r in compute_ratios(best):
+        lines.append(f"| {SHORT[r['num']]} / {SHORT[r['den']]} | {r['bs']} | {_f(r['prefill'], '{:.3f}')} | "
+                     f"{_f(r['decode'], '{:.3f}')} | {_f(r['total'], '{:.3f}')} |")
+    lines.append("")
+    lines.append("targets:")
+    for t in check_targets(best):
+        lines.append(f"  {SHORT[t['num']]}/{SHORT[t['den']]} {t['metric']} @bs{t['bs']} >= {t['threshold']:.2f}: "
+                     f"{_f(t['value'], '{:.3f}')} {t['status']}")
+    lines.append("")
+    for cfg, res in results.items():
+        extra = ""
+        if res.get("fp8rl"):
+            extra = f"; {res['fp8rl'][0][:160]}"
+        lines.append(f"- {cfg}: {DESC.get(cfg, '')}; rc={res.get('rc')} wall={_f(res.get('wall_s'), '{:.0f}')}s"
+                     f"{' TIMEOUT' if res.get('timed_out') else ''}{extra}")
+    return "\n".join(lines)
+
+
+# --- profiler traces --------------------------------------------------------------------------------------------
+
+_KERNEL_CLASSES = [
+    ("fp8 gemm", r"deep_gemm|fp8_gemm|sm90_fp8|w8a8|scaled_mm|e4m3|fp8_blockwise|block_fp8|_fp8_matmul|cutlass.*fp8"),
+    ("act quant", r"quant"),
+    ("norm/rope/act", r"rmsnorm|rms_norm|layernorm|norm::|rotary|rope|silu|act_and_mul|gelu"),
+    ("attention", r"attn|attention|decode_kernel|_fwd_kernel|mha|paged"),
+    ("gemm (bf16)", r"nvjet|gemm|cublas|cutlass|xmma|sm90_|matmul|Kernel2"),
+    ("moe routing/align", r"topk|moe_align|moe_sum|router|expert|count_and_sort"),
+]
+
+
+def classify_kernel(name: str) -> str:
+    n = name.lower()
+    for label, pat in _KERNEL_CLASSES:
+        if re.search(pat, n):
+            return label
+    return "other"
+
+
+def kernel_totals(trace: dict) -> dict:
+    """name -> [total_us, count] over the GPU kernel events of a chrome trace (torch.profiler export)."""
+    tot = collections.defaultdict(lambda: [0.0, 0])
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and str(ev.get("cat", "")).lower() == "kernel":
+            t = tot[ev.get("name", "?")]
+            t[0] += float(ev.get("dur", 0.0))
+            t[1] += 1
+    return dict(tot)
+
+
+def format_kernel_summary(tot: dict, title: str, steps: int = 1, top: int = 25) -> str:
+    total = sum(v[0] for v in tot.values())
+    lines = [f"### {title}: {len(tot)} kernels, {total / 1e3 / max(1, steps):.3f} ms GPU kernel time per decode step"
+             f" ({steps} steps profiled)"]
+    if not tot:
+        lines.append("(no GPU kernel events in the trace; CUDA-graph replays may not be visible to the profiler)")
+        return "\n".join(lines)
+    cats = collections.defaultdict(float)
+    for name, (us, _) in tot.items():
+        cats[classify_kernel(name)] += us
+    lines.append("by class: " + ", ".join(f"{c} {100 * us / total:.1f}%" for c, us in
+                                          sorted(cats.items(), key=lambda kv: -kv[1])))
+    lines.append(f"{'%':>6} {'us/step':>10} {'calls/step':>10}  class            kernel")
+    for name, (us, cnt) in sorted(tot.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"{100 * us / total:6.2f} {us / max(1, steps):10.1f} {cnt / max(1, steps):10.1f}  "
+                     f"{classify_kernel(name):16s} {name[:140]}")
+    return "\n".join(lines)
+
+
+def load_trace(path: str) -> dict:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the per-config subprocess: bench_one_batch with hooks (shared/gpu/bench_block.py's approach)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _clog(*a):
+    print("[bench_rollout]", *a, flush=True)
+
+
+def _after_dummy_init(model):
+    import torch
+
+    methods = collections.Counter()
+    for m in model.modules():
+        qm = getattr(m, "quant_method", None)
+        if qm is None:
+            continue
+        key = f"{type(m).__name__}:{type(qm).__name__}"
+        if getattr(qm, "block_quant", False):
+            f = getattr(qm, "w8a8_block_fp8_linear", None)
+            key += f" block={getattr(qm, 'weight_block_size', None)} fn={getattr(f, '__name__', f)}"
+        methods[key] += 1
+    _clog("quant methods:", dict(methods))
+    fp8 = [(n, p) for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
+    scales = [(n, p) for n, p in model.named_parameters() if n.endswith("weight_scale_inv")]
+    if not fp8:
+        _clog("no fp8 parameters at dummy init")
+        return
+
+    def nonzero(p):
+        return (p.data.view(torch.uint8) & 0x7F).ne(0).float().mean().item()
+
+    n0, p0 = fp8[0]
+    _clog(f"{len(fp8)} fp8 params, {len(scales)} weight_scale_inv at dummy init; {n0} {tuple(p0.shape)} "
+          f"nonzero fraction {nonzero(p0):.4f}")
+    if os.environ.get("FP8RL_BENCH_REFILL", "0") != "1":
+        _clog("FP8 dummy weights left as they are (FP8RL_BENCH_REFILL != 1)")
+        return
+    g = torch.Generator(device=p0.device)
+    for i, (n, p) in enumerate(fp8):
+        g.manual_seed(1234 + i)
+        tmp = torch.empty(p.shape, dtype=torch.float16, device=p.device).uniform_(-2.0, 2.0, generator=g)
+        p.data.copy_(tmp.to(p.dtype))
+        del tmp
+    for n, p in scales:
+        p.data.fill_(5e-4)
+    torch.cuda.synchronize()
+    _clog(f"refilled fp8 weights with U(-2,2) in e4m3 (nonzero fraction {nonzero(p0):.4f}), weight_scale_inv := 5e-4")
+
+
+def child_main(argv: list[str]) -> None:
+    # bench_one_batch never calls load_plugins(); without it `--quantization fp8_online_blockwise` is not an
+    # argparse choice and the plugin's layers are not registered.
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    import sglang.benchmark.one_batch as OB
+
+    counts = collections.Counter()
+
+    def counted(mod, name, label):
+        fn = getattr(mod, name, None)
+        if fn is None:
+            return
+
+        def wrapper(*a, **k):
+            counts[label] += 1
+            return fn(*a, **k)
+
+        setattr(mod, name, wrapper)
+
+    try:
+        import sglang.srt.layers.quantization.fp8 as F8
+        import sglang.srt.layers.quantization.fp8_utils as FU
+
+        counted(FU, "w8a8_block_fp8_matmul_deepgemm", "deepgemm block")
+        counted(FU, "w8a8_block_fp8_matmul_triton", "triton block")
+        counted(FU, "fp8_scaled_mm", "cutlass fp8_scaled_mm")
+        counted(FU, "triton_scaled_mm", "triton_scaled_mm")
+        counted(F8, "apply_fp8_linear", "apply_fp8_linear (non-block)")
+        counted(FU, "sglang_per_token_group_quant_fp8", "sglang_per_token_group_quant_fp8")
+        counted(FU, "per_token_group_quant_fp8", "per_token_group_quant_fp8")
+    except Exception as e:  # bookkeeping must never break the bench
+        _clog(f"GEMM call counting not installed: {e!r}")
+    try:
+        import sglang.srt.model_loader.loader as L
+
+        orig = L.initialize_dummy_weights
+
+        def init(model, *a, **k):
+            orig(model, *a, **k)
+            try:
+                _after_dummy_init(model)
+            except Exception as e:
+                _clog(f"after-dummy-init hook failed: {e!r}")
+
+        L.initialize_dummy_weights = init
+    except Exception as e:
+        _clog(f"dummy-init hook not installed: {e!r}")
+
+    sys.argv = ["sglang.benchmark.one_batch"] + list(argv)
+    try:
+        OB.cli_main()
+    finally:
+        _clog("gemm calls (eager + CUDA-graph capture; replays run no Python):", dict(counts) if counts else "none")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the driver
+# ----------------------------------------------------------------------------------------------------------------
+
+def _say(msg: str) -> None:
+    print(f"[bench_rollout {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _env_info() -> dict:
+    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+        info["device"] = out.splitlines()[0] if out else "unknown"
+    except Exception as e:  # CPU machine / no driver
+        info["device"] = f"unknown ({type(e).__name__})"
+    from importlib.metadata import PackageNotFoundError, version
+
+    vs = []
+    for p in ["sglang", "sglang-kernel", "sgl-deep-gemm", "torch", "triton", "transformers", "sglang-fp8rl"]:
+        try:
+            vs.append(f"{p} {version(p)}")
+        except PackageNotFoundError:
+            pass
+    info["versions"] = ", ".join(vs)
+    return info
+
+
+def run_config(cfg: str, cmd: list[str], env: dict, log_path: str, timeout_s: float) -> dict:
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        log.write("# " + " ".join(cmd) + "\n# env: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())
+                                                                  if k.startswith(("SGLANG", "FP8RL", "DG_"))) + "\n")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+        echoed = collections.Counter()
+
+        def pump():
+            for raw in iter(proc.stdout.readline, b""):
+                line = raw.decode(errors="replace").rstrip("\n")
+                log.write(f"[{time.time() - t0:7.1f}] {line}\n")
+                log.flush()
+                m = ECHO_RE.search(line)
+                if m:
+                    key = m.group(0)
+                    echoed[key] += 1
+                    if echoed[key] <= (6 if key == "[fp8rl]" else 3):
+                        print(f"  {cfg} +{time.time() - t0:4.0f}s| {line.strip()[:220]}", flush=True)
+
+        th = threading.Thread(target=pump, daemon=True)
+        th.start()
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _say(f"{cfg}: timeout after {timeout_s:.0f} s, stopping it (process group {proc.pid})")
+            for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)  # the group of the process started above (start_new_session)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=grace)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            rc = proc.returncode if proc.returncode is not None else -9
+        th.join(timeout=10)
+    return {"rc": rc, "timed_out": timed_out, "wall_s": time.time() - t0}
+
+
+def _write_summary(out_dir, results, meta) -> str:
+    text = format_summary(results, meta)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(text + "\n")
+    best = last_pass(results)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"meta": meta, "results": results, "ratios": compute_ratios(best),
+                   "targets": check_targets(best)}, f, indent=1, default=str)
+    return text
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default 64 128 (--moe: 32 64)")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=None, help="default 1024 (--moe: 512)")
+    p.add_argument("--repeat", type=int, default=1, help="run the batch-size list N times in one process")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="default 0.7 (--moe: 0.88)")
+    p.add_argument("--model-dir", default="/tmp/fp8rl_models", help="dummy model folders (made if missing)")
+    p.add_argument("--out", default="/tmp/fp8rl_bench_rollout")
+    p.add_argument("--budget-s", type=float, default=300, help="timeout per config (s)")
+    p.add_argument("--deadline-s", type=float, default=0,
+                   help="total wall budget (s) for all configs; a config that cannot get --min-s is skipped (0: none)")
+    p.add_argument("--min-s", type=float, default=75, help="skip a config when less than this is left")
+    p.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B shape (qwen3-30b-a3b / qwen3-30b-a3b-block)")
+    p.add_argument("--profile-decode", action="store_true",
+                   help="torch-profile a few decode steps (bench_one_batch --profile, in process) of --profile-configs "
+                        "and write the top kernels by CUDA time to profile_top_kernels.txt")
+    p.add_argument("--profile-configs", nargs="+", default=["fp8_online_blockwise"], choices=CONFIGS)
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--extra-args", default="", help="extra bench_one_batch flags for every config (one string)")
+    p.add_argument("--keep-raw", action="store_true", help="keep OUT/raw/ next to logs.tgz")
+    p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    a = p.parse_args(argv)
+    if a.batch_sizes is None:
+        a.batch_sizes = [32, 64] if a.moe else [64, 128]
+    if a.output_len is None:
+        a.output_len = 512 if a.moe else 1024
+    if a.mem_fraction_static is None:
+        a.mem_fraction_static = 0.88 if a.moe else 0.7
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = os.path.abspath(args.out)
+    raw = os.path.join(out, "raw")
+    prof_dir = os.path.join(raw, "profile")
+    plain, block = model_names(args.moe)
+    model_dir = os.path.abspath(args.model_dir)
+    plan = []
+    for cfg in args.configs:
+        spec = config_spec(cfg, args.moe)
+        mpath = os.path.join(model_dir, spec["model"])
+        cmd = [sys.executable, os.path.abspath(__file__), "_child",
+               *bench_flags(mpath, args.batch_sizes, args.input_len, args.output_len, args.mem_fraction_static,
+                            os.path.join(raw, f"{cfg}.jsonl"), cfg, args.repeat), *spec["flags"]]
+        if args.profile_decode and cfg in args.profile_configs:
+            cmd += profile_flags(cfg, args.output_len, args.profile_steps)
+        if args.extra_args:
+            cmd += args.extra_args.split()
+        env = dict(os.environ)
+        env.update({"PYTHONUNBUFFERED": "1", **spec["env"]})
+        env.setdefault("SGLANG_JIT_DEEPGEMM_PRECOMPILE", "0")
+        env.setdefault("SGLANG_DG_CACHE_DIR", "/tmp/dg_cache")
+        if args.profile_decode and cfg in args.profile_configs:
+            env["SGLANG_TORCH_PROFILER_DIR"] = prof_dir
+        plan.append((cfg, spec, cmd, env))
+    if args.dry_run:
+        for cfg, spec, cmd, env in plan:
+            print(f"# {cfg}: env {' '.join(f'{k}={env[k]}' for k in sorted(env) if k.startswith(('SGLANG', 'FP8RL')))}")
+            print(" ".join(cmd))
+        return 0
+
+    if os.path.isdir(raw):
+        shutil.rmtree(raw)  # a stale raw/ from an earlier run would be packed with this one
+    os.makedirs(raw)
+    sys.path.insert(0, os.path.join(HERE, "gpu"))
+    import make_models  # scripts/gpu/make_models.py
+
+    needed = sorted({spec["model"] for _, spec, _, _ in plan})
+    make_models.ensure(model_dir, needed)
+    meta = {"model_desc": ("Qwen3-30B-A3B-shaped" if args.moe else "Qwen3-8B-shaped") + " dummy weights",
+            "models": needed, "input_len": args.input_len, "output_len": args.output_len,
+            "batch_sizes": args.batch_sizes, "repeat": args.repeat, "mem_fraction_static": args.mem_fraction_static,
+            "argv": sys.argv, **_env_info()}
+    with open(os.path.join(raw, "env.txt"), "w") as f:
+        json.dump(meta, f, indent=1, default=str)
+    _say(f"{meta['device']} | {meta['versions']}")
+    _say(f"configs {args.configs}, bs {args.batch_sizes} x{args.repeat}, in {args.input_len}, out {args.output_len}, "
+         f"mem {args.mem_fraction_static}, models in {model_dir}")
+
+    t_start = time.time()
+    results = collections.OrderedDict()
+    for cfg, spec, cmd, env in plan:
+        timeout = args.budget_s
+        if args.deadline_s > 0:
+            left = args.deadline_s - (time.time() - t_start)
+            timeout = min(timeout, left - 5)
+            if timeout < args.min_s:
+                _say(f"SKIP {cfg}: only {left:.0f} s left of --deadline-s {args.deadline_s:.0f}")
+                results[cfg] = {"status": "skipped (deadline)", "rc": None, "rows": []}
+                continue
+        _say(f"run {cfg} ({DESC[cfg]}), model {spec['model']}, timeout {timeout:.0f} s")
+        log_path = os.path.join(raw, f"{cfg}.log")
+        run = run_config(cfg, cmd, env, log_path, timeout)
+        with open(log_path, errors="replace") as f:
+            text = f.read()
+        info = parse_log(text)
+        jl = os.path.join(raw, f"{cfg}.jsonl")
+        rows = []
+        if os.path.exists(jl):
+            rows = [json.loads(ln) for ln in open(jl) if ln.strip()]
+        if not rows:
+            rows = parse_rows_from_log(text)
+        res = {"model": spec["model"], "flags": spec["flags"], "env": spec["env"], **run, **info, "rows": rows,
+               "status": "ok" if run["rc"] == 0 else ("timeout" if run["timed_out"] else f"failed rc={run['rc']}")}
+        results[cfg] = res
+        _say(f"{cfg}: {res['status']}, {run['wall_s']:.0f} s, weights {_f(info['weight_gib'], '{:.2f}')} GiB, "
+             f"KV {_f(info['kv_tokens'])} tokens, {len(rows)} result rows")
+        if run["rc"] != 0 and info["error_tail"]:
+            print("\n".join("    " + ln for ln in info["error_tail"][-12:]), flush=True)
+        _write_summary(out, results, meta)  # partial results survive a killed call
+
+    if args.profile_decode:
+        parts = []
+        for tr in sorted(glob.glob(os.path.join(prof_dir, "*decode*.trace.json*"))):
+            try:
+                parts.append(format_kernel_summary(kernel_totals(load_trace(tr)), os.path.basename(tr),
+                                                   steps=args.profile_steps))
+            except Exception as e:
+                parts.append(f"### {os.path.basename(tr)}: could not summarize: {e!r}")
+        if not parts:
+            parts.append("no decode trace found (the profiled config failed, or the bench skipped profiling)")
+        with open(os.path.join(out, "profile_top_kernels.txt"), "w") as f:
+            f.write("\n\n".join(parts) + "\n")
+        _say(f"profile summary -> {os.path.join(out, 'profile_top_kernels.txt')}")
+
+    text = _write_summary(out, results, meta)
+    with tarfile.open(os.path.join(out, "logs.tgz"), "w:gz") as tf:
+        tf.add(raw, arcname="raw")
+    if not args.keep_raw:
+        shutil.rmtree(raw, ignore_errors=True)
+    print("\n" + text, flush=True)
+    if args.profile_decode and os.path.exists(os.path.join(out, "profile_top_kernels.txt")):
+        with open(os.path.join(out, "profile_top_kernels.txt")) as f:
+            print("\n" + "\n".join(f.read().splitlines()[:40]))
+    ok = all(r.get("rc") == 0 for r in results.values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_child":
+        child_main(sys.argv[2:])
+    else:
+        sys.exit(main())

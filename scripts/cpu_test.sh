@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The one test command (README, .ci/run): build the pinned CPU env in .venv if needed, then run pytest.
+# The env is real SGLang 0.5.17 installed --no-deps on the local CPU torch 2.13.0 wheel, plus the small pinned
+# dependencies in requirements/ci-constraints.txt. Nothing here may pull a CUDA torch: every install is --no-deps.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+venv=.venv
+pins=requirements/ci-constraints.txt
+stamp="$venv/.fp8rl-env-$(sha256sum "$pins" pyproject.toml | sha256sum | cut -c1-16)"
+
+if [ ! -f "$stamp" ]; then
+  t0=$(date +%s)
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  # one resolver-free call: every pin is a wheel; torch==2.13.0 resolves to the local CPU wheel (pip find-links)
+  "$venv/bin/pip" install --quiet --no-cache-dir --no-deps -r "$pins" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+  "$venv/bin/pip" install --quiet --no-deps --no-build-isolation -e .
+  "$venv/bin/python" - <<'PY'
+import torch
+assert torch.version.cuda is None, f"a CUDA torch got into the CPU env: {torch.__version__}"
+PY
+  rm -f "$venv"/.fp8rl-env-*
+  touch "$stamp"
+  echo "[cpu_test] environment built in $(( $(date +%s) - t0 )) s"
+fi
+
+# pytest exits 5 when no test ran; that must fail CI, and it does because of set -e.
+exec "$venv/bin/python" -m pytest "$@"

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# run_gpu_suite.sh STAGE... : the GPU measurement suite of sglang-fp8rl, on the lent GPU machine (one H100).
+#
+# Stages (run in the order given; each has a timeout, and the whole call a DEADLINE so it ends inside the
+# device tool's 600 s per-command limit; a stage that cannot get its minimum time is skipped, not started):
+#   tests     python -m pytest tests/gpu -q -m gpu                                      (T_TESTS, default 240 s)
+#   accuracy  scripts/train_toy_policy.py (skipped when $WORK/toy already holds a checkpoint: warm machine)
+#             then scripts/accuracy_regression.py --task addition (BF16 vs fp8_online_blockwise)  (~4-6 min cold)
+#   rollout   scripts/bench_rollout.py: bf16, fp8_online_blockwise, block_prequant, fp8_channel on Qwen3-8B shapes,
+#             bs 64 128, in 512, out 1024                                               (~5-6 min cold)
+#   profile   scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode --batch-sizes 64 128
+#             --output-len 256 (top decode kernels by CUDA time)                        (~1.5-2 min)
+#   moe       scripts/bench_rollout.py --moe (Qwen3-30B-A3B shapes, bs 32 64, out 512, mem 0.88) (~6-9 min: own call)
+#   update    $UPDATE_SCRIPT --out $WORK/update (default scripts/bench_weight_update.py; skipped if absent)
+# Expected times are estimates from shared/gpu/README.md's measurements (server import 24-34 s, bench_one_batch
+# 40-110 s per config), not measured with these scripts.
+#
+# How to call it with the device tool (see scripts/gpu/env.sh; .gpu/ is built once on the CPU machine with
+# shared/gpu/make_wheelhouse.sh .gpu):
+#   call 1  carry [".gpu/bin", ".gpu/bundle1"]:  source scripts/gpu/env.sh; echo "env rc=$?"         (rc=3 expected)
+#   call 2  IMMEDIATELY after, carry [".gpu/bin", ".gpu/bundle2"]:
+#           source scripts/gpu/env.sh || exit 1; bash scripts/gpu/run_gpu_suite.sh tests accuracy
+#   call 3  while warm, carry [".gpu/bin"]:
+#           source scripts/gpu/env.sh || exit 1; bash scripts/gpu/run_gpu_suite.sh rollout
+#   call 4  (optional, own call) ... bash scripts/gpu/run_gpu_suite.sh moe       /  ... profile update
+# (The suite also sources scripts/gpu/env.sh itself when FP8RL_REPO is unset.)
+#
+# Output: everything under $WORK (/tmp/fp8rl_suite, kept between calls while the machine is warm; logs/STAGE.log
+# per stage); into $OUT (at most 8 files come back): suite_summary.md, suite_logs_<time>.tgz, and the stage
+# results that exist: rollout_results.json, accuracy.json, accuracy.png, moe_results.json, profile_top_kernels.txt.
+# stdout ends with the summary (stage table + each stage's own table).
+# Env: OUT, WORK, DEADLINE (s from start; 570), T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
+#      MOE_ARGS, PROFILE_ARGS, ACC_ARGS (extra args per script), UPDATE_SCRIPT.
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
+T0=$(date +%s)
+DEADLINE=${DEADLINE:-570}
+OUT=${OUT:-/tmp/fp8rl_out}
+WORK=${WORK:-/tmp/fp8rl_suite}
+MODELS=$WORK/models
+LOGS=$WORK/logs
+STAMP=$(date +%H%M%S)
+mkdir -p "$OUT" "$WORK" "$LOGS"
+[ $# -gt 0 ] || { sed -n '2,32p' "$0"; exit 2; }
+
+if [ -z "${FP8RL_REPO:-}" ]; then
+  # shellcheck disable=SC1091
+  source scripts/gpu/env.sh || { echo "[suite] scripts/gpu/env.sh failed (machine cold? redo the two install calls)"; exit 1; }
+fi
+export PYTHONUNBUFFERED=1
+PY=python3
+
+say() { echo "[suite $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*"; }
+left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
+STATUS=()
+record() { STATUS+=("| $1 | $2 | $3 s | $4 |"); }
+
+# run_stage NAME MIN_S MAX_S CMD...   (timeout = min(MAX_S, time left - 10); skipped below MIN_S)
+run_stage() {
+  local name=$1 min_s=$2 max_s=$3; shift 3
+  local l; l=$(left)
+  local to=$(( l - 10 )); [ "$to" -gt "$max_s" ] && to=$max_s
+  if [ "$to" -lt "$min_s" ]; then
+    say "SKIP $name: ${l} s left (needs ${min_s} s)"; record "$name" skipped 0 "only ${l} s left"; return 99
+  fi
+  say "start $name (timeout ${to} s): $*"
+  local t=$(date +%s)
+  timeout -k 15 "$to" "$@" >> "$LOGS/$name.log" 2>&1
+  local rc=$? dt=$(( $(date +%s) - t ))
+  local note=""; [ $rc = 124 ] || [ $rc = 137 ] && note="TIMEOUT"
+  say "end $name rc=$rc ${dt} s $note"
+  record "$name" "$rc" "$dt" "$note"
+  return $rc
+}
+
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
+  $PY -c "import importlib.metadata as m; print(*[f'{p} {m.version(p)}' for p in ['sglang','sglang-kernel','sgl-deep-gemm','torch','triton','transformers','sglang-fp8rl']], sep=' | ')" 2>&1
+} > "$LOGS/env.txt"
+say "$(sed -n 2p "$LOGS/env.txt") | stages: $*"
+
+for st in "$@"; do
+  case $st in
+    tests)
+      run_stage tests 60 "${T_TESTS:-240}" $PY -m pytest tests/gpu -q -m gpu -p no:cacheprovider -rfEs
+      rc=$?; [ $rc = 5 ] && say "tests: pytest collected no GPU test (rc 5)" ;;
+    accuracy)
+      if [ ! -f "$WORK/toy/model.safetensors" ]; then
+        run_stage train_toy 120 $(( ${TOY_SECONDS:-150} + 90 )) \
+          $PY scripts/train_toy_policy.py --out "$WORK/toy" --max-seconds "${TOY_SECONDS:-150}"
+        tail -3 "$LOGS/train_toy.log"
+      else
+        say "toy policy already at $WORK/toy (warm machine), not retrained"
+      fi
+      if [ -f "$WORK/toy/model.safetensors" ]; then
+        run_stage accuracy 120 420 $PY scripts/accuracy_regression.py --model "$WORK/toy" --task addition \
+          --out "$WORK/accuracy" ${ACC_ARGS:-}
+        [ $? = 0 ] || for f in "$WORK"/accuracy/engine_*.log; do
+          [ -f "$f" ] && { say "tail of $f:"; grep -v "^\s*$" "$f" | tail -15 | cut -c1-300; }; done
+      else
+        record accuracy skipped 0 "no toy checkpoint"
+      fi ;;
+    rollout)
+      l=$(left); run_stage rollout 150 560 $PY scripts/bench_rollout.py --out "$WORK/rollout" --model-dir "$MODELS" \
+        --deadline-s $(( l - 25 )) ${ROLLOUT_ARGS:-} ;;
+    profile)
+      l=$(left); run_stage profile 120 400 $PY scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode \
+        --batch-sizes 64 128 --output-len 256 --out "$WORK/profile" --model-dir "$MODELS" --deadline-s $(( l - 25 )) \
+        ${PROFILE_ARGS:-} ;;
+    moe)
+      l=$(left); run_stage moe 200 560 $PY scripts/bench_rollout.py --moe --out "$WORK/moe" --model-dir "$MODELS" \
+        --budget-s 240 --deadline-s $(( l - 25 )) ${MOE_ARGS:-} ;;
+    update)
+      us=${UPDATE_SCRIPT:-scripts/bench_weight_update.py}
+      if [ -f "$us" ]; then
+        run_stage update 60 400 $PY "$us" --out "$WORK/update"
+      else
+        say "update: $us not in this checkout, skipped"; record update skipped 0 "$us absent"
+      fi ;;
+    *) say "unknown stage $st"; record "$st" unknown 0 "" ;;
+  esac
+done
+
+# ---- summary ------------------------------------------------------------------------------------------------
+SUM=$WORK/suite_summary_$STAMP.md
+{
+  echo "# sglang-fp8rl GPU suite ($(date -u '+%Y-%m-%d %H:%M UTC'), stages: $*)"
+  sed -n '2,3p' "$LOGS/env.txt"
+  echo; echo "| stage | rc | time | note |"; echo "| --- | --- | --- | --- |"
+  printf '%s\n' "${STATUS[@]}"
+  for st in "$@"; do
+    case $st in
+      tests) [ -f "$LOGS/tests.log" ] && { echo; echo "## tests (tail)"; grep -v "^\s*$" "$LOGS/tests.log" | tail -15 | cut -c1-250; } ;;
+      accuracy) [ -f "$WORK/toy/train_report.json" ] && { echo; $PY -c "import json; r=json.load(open('$WORK/toy/train_report.json')); print(f\"toy policy: {r['steps']} steps, {r['train_seconds']} s, held-out EM (HF greedy, bf16) {r['heldout_exact_match_bf16_hf_greedy']:.4f}\")"; }
+                [ -f "$WORK/accuracy/summary.md" ] && { echo; cat "$WORK/accuracy/summary.md"; } ;;
+      rollout|profile|moe) [ -f "$WORK/$st/summary.md" ] && { echo; echo "## $st"; cat "$WORK/$st/summary.md"; }
+                [ "$st" = profile ] && [ -f "$WORK/profile/profile_top_kernels.txt" ] && head -30 "$WORK/profile/profile_top_kernels.txt" ;;
+      update) [ -f "$WORK/update/summary.md" ] && { echo; echo "## update"; cat "$WORK/update/summary.md"; } ;;
+    esac
+  done
+} > "$SUM"
+
+cp "$SUM" "$OUT/suite_summary.md"
+for pair in rollout/results.json:rollout_results.json accuracy/accuracy.json:accuracy.json accuracy/accuracy.png:accuracy.png \
+            moe/results.json:moe_results.json profile/profile_top_kernels.txt:profile_top_kernels.txt; do
+  src=$WORK/${pair%%:*}; [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && cp "$src" "$OUT/${pair##*:}"
+done
+tar czf "$OUT/suite_logs_$STAMP.tgz" -C "$WORK" --exclude='models' --exclude='*.safetensors' . 2>/dev/null
+say "results -> $OUT: $(ls "$OUT" | tr '\n' ' ')"
+echo; cat "$SUM"

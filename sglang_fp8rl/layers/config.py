@@ -1,0 +1,190 @@
+"""Quantization config of `fp8_online_blockwise`: which module gets which method, and the per-layer scheme report."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import re
+from typing import Any, Optional
+
+import torch
+from sglang.srt.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision
+from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE
+from sglang_fp8rl.server_args import Fp8rlOptions, get_options
+
+logger = logging.getLogger(__name__)
+
+NAME = "fp8_online_blockwise"
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class SchemeReport:
+    """Per-layer scheme decisions of one model on one rank; logs one summary when loading has finished."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[str, SchemeDecision] = {}
+        self._pending: set[str] = set()
+        self.logged = False
+
+    def record(self, prefix: str, decision: SchemeDecision) -> None:
+        """Remember a layer's decision; quantized layers are awaited by :meth:`mark_processed`."""
+        self.decisions[prefix] = decision
+        if decision.scheme is not Scheme.BF16:
+            self._pending.add(prefix)
+
+    def mark_processed(self, prefix: str) -> None:
+        """Called from process_weights_after_loading; the last quantized layer triggers the summary line."""
+        self._pending.discard(prefix)
+        if not self._pending and not self.logged:
+            self.logged = True
+            logger.info("%s", self.summary())
+
+    def counts(self) -> dict[str, int]:
+        """Number of linear layers per scheme."""
+        counter = collections.Counter(d.scheme.value for d in self.decisions.values())
+        return {scheme.value: counter.get(scheme.value, 0) for scheme in Scheme}
+
+    def exceptions(self) -> dict[str, list[str]]:
+        """Non-blockwise layers grouped by (module kind, reason): {"mlp.down_proj: <reason>": [prefixes]}."""
+        groups: dict[str, list[str]] = collections.defaultdict(list)
+        for prefix, decision in self.decisions.items():
+            if decision.scheme is not Scheme.BLOCK:
+                kind = _LAYER_INDEX.sub(".layers.*.", "." + prefix).lstrip(".")
+                groups[f"{decision.scheme.value} {kind}: {decision.reason}"].append(prefix)
+        return dict(groups)
+
+    def summary(self) -> str:
+        """One line: layer counts per scheme, and each group of exceptions with its reason."""
+        counts = ", ".join(f"{k}={v}" for k, v in self.counts().items())
+        parts = [f"[fp8rl] {NAME}: linear layers {counts}"]
+        for group, prefixes in self.exceptions().items():
+            parts.append(f"{group} (x{len(prefixes)})")
+        return "; ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form for telemetry."""
+        return {"counts": self.counts(), "exceptions": {k: len(v) for k, v in self.exceptions().items()}}
+
+
+def layer_index(prefix: str) -> Optional[int]:
+    """Decoder-layer index in a module name such as ``model.layers.3.mlp.down_proj``, else None."""
+    match = _LAYER_INDEX.search(prefix)
+    return int(match.group(1)) if match else None
+
+
+def num_hidden_layers_of_served_model() -> int:
+    """``num_hidden_layers`` of the model this process serves (read from its config.json)."""
+    from sglang.srt.server_args import get_global_server_args
+
+    path = os.path.join(get_global_server_args().model_path, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--fp8rl-bf16-last-layers needs num_hidden_layers, but {path} is unreadable: {e}") from e
+    config = config.get("text_config", config)
+    if "num_hidden_layers" not in config:
+        raise ValueError(f"--fp8rl-bf16-last-layers needs num_hidden_layers, which {path} does not define")
+    return int(config["num_hidden_layers"])
+
+
+def bf16_reason(prefix: str, options: Fp8rlOptions, num_layers: Optional[int]) -> Optional[str]:
+    """Why the user's options keep this linear layer in BF16, or None if they do not."""
+    for pattern in options.ignore:
+        if re.search(pattern, prefix):
+            return f"--fp8rl-ignore {pattern!r}"
+    index = layer_index(prefix)
+    if index is None:
+        return None
+    if index < options.bf16_first_layers:
+        return f"--fp8rl-bf16-first-layers {options.bf16_first_layers}"
+    if options.bf16_last_layers and num_layers is not None and index >= num_layers - options.bf16_last_layers:
+        return f"--fp8rl-bf16-last-layers {options.bf16_last_layers}"
+    return None
+
+
+def reject_quantized_checkpoint(hf_quant_config: Any) -> None:
+    """Raise a clear error: this method quantizes BF16/FP32 checkpoints, not already-quantized ones."""
+    method = hf_quant_config.get("quant_method", "?") if isinstance(hf_quant_config, dict) else "?"
+    raise ValueError(
+        f"--quantization {NAME} quantizes a BF16/FP32 checkpoint online, but this checkpoint is already quantized "
+        f"(config.json quantization_config quant_method={method!r}). Serve it without --quantization to use its own "
+        f"scales, or point --model-path at the BF16 checkpoint."
+    )
+
+
+class Fp8OnlineBlockwiseConfig(QuantizationConfig):
+    """DeepSeek-style blockwise FP8 (128x128 weights, dynamic 1x128 activations) from a BF16/FP32 checkpoint."""
+
+    def __init__(self, options: Optional[Fp8rlOptions] = None, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE):
+        super().__init__()
+        self.options = options if options is not None else get_options()
+        # deliberately not named `weight_block_size`: SGLang's CPU path pads intermediate sizes of configs that have
+        # one (configs/update_config.py), which would hide the per-channel fallback this package is built for
+        self.block_size = tuple(block_size)
+        self.report = SchemeReport()
+        self._num_layers: Optional[int] = None
+
+    def __repr__(self) -> str:
+        return f"Fp8OnlineBlockwiseConfig(block_size={self.block_size}, options={self.options})"
+
+    @classmethod
+    def get_name(cls) -> str:
+        return NAME
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 89  # FP8 tensor cores (Ada, Hopper)
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Fp8OnlineBlockwiseConfig:
+        # SGLang calls this only when the checkpoint carries a quantization_config
+        reject_quantized_checkpoint(config)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant) -> Optional[str]:
+        if user_quant == NAME and hf_quant_cfg:
+            reject_quantized_checkpoint(hf_quant_cfg)
+        return None
+
+    def get_scaled_act_names(self) -> list[str]:
+        return []
+
+    def _layers_total(self) -> Optional[int]:
+        if self.options.bf16_last_layers and self._num_layers is None:
+            self._num_layers = num_hidden_layers_of_served_model()
+        return self._num_layers
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        from sglang.srt.layers.linear import LinearBase, ReplicatedLinear
+        from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+        from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+        from sglang_fp8rl.layers.linear import Fp8OnlineBlockwiseLinearMethod
+
+        if isinstance(layer, LinearBase):
+            # replicated linears are routers / small gates: BF16 by type, whatever their name
+            reason = "replicated linear (router/gate)" if isinstance(layer, ReplicatedLinear) else None
+            reason = reason or bf16_reason(prefix, self.options, self._layers_total())
+            if reason is not None:
+                self.report.record(prefix, SchemeDecision(Scheme.BF16, reason))
+                return UnquantizedLinearMethod()
+            return Fp8OnlineBlockwiseLinearMethod(self, prefix)
+        if isinstance(layer, FusedMoE):
+            raise NotImplementedError(
+                f"{NAME}: MoE layers ({prefix}) are not supported yet; serve MoE models with --quantization fp8"
+            )
+        # embeddings, lm_head, norms, attention (KV cache) stay in the model dtype
+        return None

@@ -1,0 +1,256 @@
+"""Linear method of `fp8_online_blockwise`: final-layout FP8 storage, per-rank scheme, quantize-on-load, apply.
+
+Storage follows SGLang's own `Fp8LinearMethod` so its GEMM dispatch runs unchanged on GPU:
+
+* block layers: ``weight`` [N_local, K_local] float8_e4m3fn and ``weight_scale_inv`` [ceil(N_local/128),
+  ceil(K_local/128)] float32 (the dequantization multiplier, see :mod:`sglang_fp8rl.quant`);
+* per-channel layers (per-rank shapes that do not fit 128-blocks): ``weight`` as above and ``weight_scale`` [N_local]
+  float32, one multiplier per output row.
+
+Both are allocated once in ``create_weights`` and only ever written in place (``copy_`` into row slices), so their
+``data_ptr`` never changes: captured CUDA graphs and the weight-update path rely on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from sglang.srt.layers.linear import QKVParallelLinear
+from sglang.srt.layers.parameter import (
+    BlockQuantScaleParameter,
+    ChannelQuantScaleParameter,
+    ModelWeightParameter,
+)
+from sglang.srt.layers.quantization.base_config import LinearMethodBase
+
+from sglang_fp8rl.kernels.dispatch import quantize_blockwise_into, quantize_per_channel_into
+from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision, choose_scheme
+from sglang_fp8rl.quant import (
+    FP8_DTYPE,
+    blockwise_scale_shape,
+    dequantize_activation_groups,
+    dequantize_blockwise,
+    dequantize_per_channel,
+    quantize_activation_groups,
+)
+from sglang_fp8rl.weight_sync.sharding import ShardPlacement, placement_for_layer, scale_rows
+
+if TYPE_CHECKING:
+    from sglang_fp8rl.layers.config import Fp8OnlineBlockwiseConfig
+
+# SGLang's dummy loader draws weights from U(-1e-3, 1e-3); never-loaded layers get the same distribution in BF16.
+DUMMY_WEIGHT_RANGE = 1e-3
+
+
+@dataclasses.dataclass
+class LayerState:
+    """What this package knows about one quantized linear layer (kept on the layer as ``_fp8rl``)."""
+
+    prefix: str
+    decision: SchemeDecision
+    block_size: tuple[int, int]
+    scale_format: str
+    rows_loaded: int = 0
+
+    @property
+    def is_block(self) -> bool:
+        return self.decision.scheme is Scheme.BLOCK
+
+
+def layer_state(layer: torch.nn.Module) -> Optional[LayerState]:
+    """The layer's state if it is quantized by this package, else None."""
+    return getattr(layer, "_fp8rl", None)
+
+
+def shard_names(layer: torch.nn.Module, n_shards: int) -> list[str]:
+    """Human names of a fused layer's logical output shards, for reports."""
+    if isinstance(layer, QKVParallelLinear):
+        return ["q", "k", "v"]
+    if n_shards == 2:
+        return ["gate", "up"]
+    return [str(i) for i in range(n_shards)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# writing quantized rows
+
+
+def quantize_rows_into_layer(layer: torch.nn.Module, w: torch.Tensor, dst_rows: slice) -> None:
+    """Quantize ``w`` (rows ``dst_rows`` of the local weight, full K_local) straight into the FP8 weight and scale."""
+    state = layer._fp8rl
+    weight = layer.weight.data
+    w = w.to(torch.bfloat16).to(weight.device)  # round on the source device: half the bytes to move
+    if state.is_block:
+        rows = scale_rows(dst_rows, state.block_size[0], weight.shape[0])
+        quantize_blockwise_into(
+            w, weight[dst_rows], layer.weight_scale_inv.data[rows], state.block_size, state.scale_format
+        )
+    else:
+        quantize_per_channel_into(w, weight[dst_rows], layer.weight_scale.data[dst_rows], state.scale_format)
+    state.rows_loaded += dst_rows.stop - dst_rows.start
+
+
+def check_incoming_shape(layer: torch.nn.Module, placement: ShardPlacement, loaded: torch.Tensor, shard_id) -> None:
+    """Raise ValueError (naming the layer and shard) if an incoming tensor has the wrong shape."""
+    if tuple(loaded.shape) != tuple(placement.full_shape):
+        shard = "" if shard_id is None else f" shard {shard_id!r}"
+        raise ValueError(
+            f"{layer._fp8rl.prefix}.weight{shard}: expected an unsharded tensor of shape {tuple(placement.full_shape)}, "
+            f"got {tuple(loaded.shape)}"
+        )
+
+
+def load_weight_shard(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id=None) -> None:
+    """Weight loader of our FP8 ``weight``: take this rank's slice of a full HF tensor and quantize it in place.
+
+    Placement (TP narrowing, KV-head replication, q/k/v and gate/up offsets) comes from
+    :mod:`sglang_fp8rl.weight_sync.sharding`, whose helpers are tested against SGLang's own loaders.
+    """
+    if not loaded_weight.is_floating_point() or loaded_weight.dtype == FP8_DTYPE:
+        raise ValueError(
+            f"{layer._fp8rl.prefix}.weight: expected a BF16/FP16/FP32 tensor, got {loaded_weight.dtype} "
+            "(fp8_online_blockwise quantizes on the engine; send unquantized weights)"
+        )
+    placement = placement_for_layer(layer, loaded_shard_id)
+    check_incoming_shape(layer, placement, loaded_weight, loaded_shard_id)
+    quantize_rows_into_layer(layer, loaded_weight[placement.src_rows, placement.src_cols], placement.dst_rows)
+
+
+def refuse_scale(prefix: str, name: str, param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args) -> None:
+    """Weight loader of our scale parameters: scales are computed on the engine, never loaded."""
+    raise ValueError(
+        f"{prefix}.{name}: fp8_online_blockwise computes FP8 scales from the BF16 weights; "
+        "the checkpoint or update must not contain scale tensors"
+    )
+
+
+def fill_dummy(layer: torch.nn.Module) -> None:
+    """Quantize deterministic U(-1e-3, 1e-3) BF16 values into a never-loaded layer (``--load-format dummy``)."""
+    weight = layer.weight.data
+    seed = int.from_bytes(hashlib.sha256(layer._fp8rl.prefix.encode()).digest()[:4], "little")
+    generator = torch.Generator(device=weight.device).manual_seed(seed)
+    w = torch.empty(weight.shape, dtype=torch.bfloat16, device=weight.device)
+    w.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+    quantize_rows_into_layer(layer, w, slice(0, weight.shape[0]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# forward
+
+
+def reference_linear(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Torch reference of the FP8 GEMM (CPU path): quantized activations x dequantized weights, fp32 accumulation."""
+    state = layer._fp8rl
+    group = state.block_size[1] if state.is_block else x.shape[-1]  # per-channel layers use per-token activations
+    xq, xs = quantize_activation_groups(x, group)
+    x_deq = dequantize_activation_groups(xq, xs, group)
+    if state.is_block:
+        w_deq = dequantize_blockwise(layer.weight.data, layer.weight_scale_inv.data, state.block_size)
+    else:
+        w_deq = dequantize_per_channel(layer.weight.data, layer.weight_scale.data)
+    out = (x_deq @ w_deq.t()).to(x.dtype)
+    return out + bias if bias is not None else out
+
+
+class Fp8OnlineBlockwiseLinearMethod(LinearMethodBase):
+    """Blockwise (or per-rank per-channel fallback) FP8 linear layer quantized online from BF16 weights."""
+
+    def __init__(self, quant_config: Fp8OnlineBlockwiseConfig, prefix: str):
+        self.quant_config = quant_config
+        self.prefix = prefix
+        self._block_linear = None  # SGLang's block-FP8 GEMM, resolved on the first CUDA call
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        config = self.quant_config
+        decision = choose_scheme(
+            input_size_per_partition,
+            output_partition_sizes,
+            config.block_size,
+            shard_names=shard_names(layer, len(output_partition_sizes)),
+        )
+        layer._fp8rl = LayerState(self.prefix, decision, config.block_size, config.options.scale_format)
+        n_local, k_local = sum(output_partition_sizes), input_size_per_partition
+        layer.logical_widths = list(output_partition_sizes)
+        layer.input_size_per_partition = k_local
+        layer.output_size_per_partition = n_local
+        layer.orig_dtype = params_dtype
+
+        weight = ModelWeightParameter(
+            data=torch.empty(n_local, k_local, dtype=FP8_DTYPE),
+            input_dim=1,
+            output_dim=0,
+            weight_loader=functools.partial(load_weight_shard, layer),
+        )
+        layer.register_parameter("weight", weight)
+        if decision.scheme is Scheme.BLOCK:
+            scale = BlockQuantScaleParameter(
+                data=torch.ones(blockwise_scale_shape((n_local, k_local), config.block_size), dtype=torch.float32),
+                input_dim=1,
+                output_dim=0,
+                weight_loader=functools.partial(refuse_scale, self.prefix, "weight_scale_inv"),
+            )
+            layer.register_parameter("weight_scale_inv", scale)
+        else:
+            scale = ChannelQuantScaleParameter(
+                data=torch.ones(n_local, dtype=torch.float32),
+                output_dim=0,
+                weight_loader=functools.partial(refuse_scale, self.prefix, "weight_scale"),
+            )
+            layer.register_parameter("weight_scale", scale)
+        layer.input_scale = None
+        config.report.record(self.prefix, decision)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Idempotent and pointer-stable: never rebinds ``.data``; fills never-loaded (dummy) layers."""
+        if layer._fp8rl.rows_loaded == 0:
+            fill_dummy(layer)
+        self.quant_config.report.mark_processed(self.prefix)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not x.is_cuda:
+            return reference_linear(layer, x, bias)
+        if layer._fp8rl.is_block:
+            return self._apply_block_cuda(layer, x, bias)
+        return self._apply_channel_cuda(layer, x, bias)
+
+    def _apply_block_cuda(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self._block_linear is None:
+            from sglang.srt.layers.quantization.fp8_utils import dispatch_w8a8_block_fp8_linear
+
+            self._block_linear = dispatch_w8a8_block_fp8_linear()
+        return self._block_linear(
+            input=x,
+            weight=layer.weight,
+            block_size=list(layer._fp8rl.block_size),
+            weight_scale=layer.weight_scale_inv,
+            input_scale=None,
+            bias=bias,
+        )
+
+    @staticmethod
+    def _apply_channel_cuda(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        from sglang.srt.layers.quantization.fp8_utils import apply_fp8_linear, cutlass_fp8_supported
+
+        # the same call and layouts as SGLang's online per-channel Fp8LinearMethod: weight [K, N] (a view), scale [1, N]
+        return apply_fp8_linear(
+            input=x,
+            weight=layer.weight.t(),
+            weight_scale=layer.weight_scale.view(1, -1),
+            input_scale=None,
+            bias=bias,
+            cutlass_fp8_supported=cutlass_fp8_supported(),
+        )

@@ -1,0 +1,142 @@
+"""`--fp8rl-*` options: on SGLang's own argument parser, validated, and carried to the scheduler processes.
+
+SGLang builds `ServerArgs` from its dataclass fields only, so our options cannot ride on it. They travel in one
+environment variable instead (`FP8RL_OPTIONS`, JSON): the launcher sets it while parsing the command line, spawned
+scheduler processes inherit it, and the quantization config reads it there. `sglang.Engine` users who do not parse a
+command line call :func:`set_options` (or export the variable) before creating the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Sequence
+
+from sglang_fp8rl.quant import SCALE_FORMATS
+
+ENV_VAR = "FP8RL_OPTIONS"
+_PARSER_MARK = "_fp8rl_options_added"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8rlOptions:
+    """Our serving options (all layers blockwise/per-channel FP8 unless listed here)."""
+
+    bf16_first_layers: int = 0
+    bf16_last_layers: int = 0
+    ignore: tuple[str, ...] = ()
+    scale_format: str = "fp32"
+
+    def __post_init__(self) -> None:
+        for name in ("bf16_first_layers", "bf16_last_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"--fp8rl-{name.replace('_', '-')} must be a non-negative integer, got {value!r}")
+        if self.scale_format not in SCALE_FORMATS:
+            raise ValueError(f"--fp8rl-scale-format must be one of {SCALE_FORMATS}, got {self.scale_format!r}")
+        object.__setattr__(self, "ignore", tuple(self.ignore))
+        for pattern in self.ignore:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"--fp8rl-ignore {pattern!r} is not a valid regular expression: {e}") from e
+
+    def to_json(self) -> str:
+        """Serialized form for the environment variable."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Fp8rlOptions:
+        """Parse and validate the environment-variable form."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{ENV_VAR} is not valid JSON ({e}): {text!r}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{ENV_VAR} must be a JSON object, got {text!r}")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"{ENV_VAR} has unknown option(s) {sorted(unknown)}")
+        return cls(**data)
+
+
+def set_options(options: Fp8rlOptions | None = None, **kwargs: Any) -> Fp8rlOptions:
+    """Validate options and publish them to this process and the processes it spawns."""
+    options = options or Fp8rlOptions(**kwargs)
+    os.environ[ENV_VAR] = options.to_json()
+    return options
+
+
+def get_options() -> Fp8rlOptions:
+    """The options in force in this process (defaults if none were set)."""
+    text = os.environ.get(ENV_VAR)
+    return Fp8rlOptions.from_json(text) if text else Fp8rlOptions()
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the `--fp8rl-*` group to an SGLang argument parser (idempotent)."""
+    if getattr(parser, _PARSER_MARK, False):
+        return
+    setattr(parser, _PARSER_MARK, True)
+    group = parser.add_argument_group("sglang-fp8rl (with --quantization fp8_online_blockwise)")
+    group.add_argument(
+        "--fp8rl-bf16-first-layers", type=int, default=0, metavar="N",
+        help="Keep the linear layers of the first N decoder layers in BF16.",
+    )
+    group.add_argument(
+        "--fp8rl-bf16-last-layers", type=int, default=0, metavar="N",
+        help="Keep the linear layers of the last N decoder layers in BF16.",
+    )
+    group.add_argument(
+        "--fp8rl-ignore", action="append", default=[], metavar="REGEX",
+        help="Keep linear layers whose module name matches REGEX (re.search) in BF16. Repeatable.",
+    )
+    group.add_argument(
+        "--fp8rl-scale-format", choices=SCALE_FORMATS, default="fp32",
+        help="Weight scales: exact amax/448 in float32, or rounded up to a power of two (pow2).",
+    )
+
+
+def options_from_namespace(args: argparse.Namespace) -> Fp8rlOptions:
+    """Build validated options from a parsed namespace."""
+    return Fp8rlOptions(
+        bf16_first_layers=getattr(args, "fp8rl_bf16_first_layers", 0),
+        bf16_last_layers=getattr(args, "fp8rl_bf16_last_layers", 0),
+        ignore=tuple(getattr(args, "fp8rl_ignore", None) or ()),
+        scale_format=getattr(args, "fp8rl_scale_format", "fp32"),
+    )
+
+
+def install_server_args_hooks() -> None:
+    """Extend SGLang's `ServerArgs.add_cli_args` / `from_cli_args` with our options (idempotent)."""
+    from sglang.srt.server_args import ServerArgs
+
+    if getattr(ServerArgs, _PARSER_MARK, False):
+        return
+    original_add = ServerArgs.add_cli_args
+    original_from = ServerArgs.from_cli_args.__func__
+
+    def add_cli_args_with_fp8rl(parser: argparse.ArgumentParser) -> None:
+        original_add(parser)
+        add_cli_args(parser)
+
+    def from_cli_args_with_fp8rl(cls, args: argparse.Namespace):
+        options = options_from_namespace(args)  # validate before SGLang starts any work
+        server_args = original_from(cls, args)
+        set_options(options)
+        return server_args
+
+    ServerArgs.add_cli_args = staticmethod(add_cli_args_with_fp8rl)
+    ServerArgs.from_cli_args = classmethod(from_cli_args_with_fp8rl)
+    setattr(ServerArgs, _PARSER_MARK, True)
+
+
+def parse_args(argv: Sequence[str]) -> Fp8rlOptions:
+    """Parse only our options out of a command line (for scripts and tests)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_cli_args(parser)
+    known, _ = parser.parse_known_args(list(argv))
+    return options_from_namespace(known)

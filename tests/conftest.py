@@ -1,0 +1,47 @@
+"""Test setup: CPU shims for real SGLang 0.5.17 (never shipped in the package), tiny checkpoints, a gloo world."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import cpu_stubs  # noqa: E402
+
+cpu_stubs.install_cpu_stubs()
+
+HAS_CUDA = False
+try:
+    import torch
+
+    HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover - torch is a hard dependency of the env
+    pass
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests are skipped (and reported as skipped) without CUDA."""
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run scripts/gpu/run_gpu_suite.sh on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def patch_rope_for_cpu() -> None:
+    """SGLang's RotaryEmbedding imports vllm's op on unknown platforms; on CPU the native path is what we want."""
+    import sglang.srt.layers.rotary_embedding.base as rope_base
+
+    rope_base._is_cpu = True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

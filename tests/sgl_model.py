@@ -1,0 +1,99 @@
+"""Tiny Qwen3 checkpoints written by the tests, and a subprocess runner around SGLang's real ModelRunner on CPU.
+
+SGLang's ModelRunner owns process-global state (torch.distributed, parallel groups), so every model-level scenario
+runs in a fresh process (`python tests/sgl_worker.py ...`) and hands its results back through a torch.save file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "sgl_worker.py")
+
+# hidden 256, 2 heads of 128, 1 KV head, intermediate 384: qkv (256+128+128) and o_proj are blockwise, and
+# gate_up/down (384 = 3 x 128) are blockwise at TP 1 but fall back at TP 2 (192 rows per rank).
+TINY = dict(vocab_size=320, hidden_size=256, intermediate_size=384, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=128)
+# an intermediate size that is not a multiple of 128 forces the per-channel fallback already at TP 1
+TINY_FALLBACK = dict(TINY, intermediate_size=320)
+
+
+def write_tokenizer(out: str, vocab_size: int) -> None:
+    """A word-level tokenizer over tokens t0..t{vocab-5} plus specials (SGLang's runner needs one to start)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size - 4)}
+    vocab.update({"<unk>": vocab_size - 4, "<s>": vocab_size - 3, "</s>": vocab_size - 2, "<pad>": vocab_size - 1})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(out)
+
+
+def random_state_dict(dims: dict, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """HF-named BF16 weights of a Qwen3 model with these dims (norms near 1, linears ~N(0, scale))."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, v = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
+    nh, nkv, hd = dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"]
+
+    def randn(*shape, s=scale):
+        return (torch.randn(*shape, generator=g) * s).to(torch.bfloat16)
+
+    def norm(n):
+        return (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+
+    sd = {"model.embed_tokens.weight": randn(v, h, s=1.0), "model.norm.weight": norm(h), "lm_head.weight": randn(v, h)}
+    for layer in range(dims["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        sd.update({
+            p + "input_layernorm.weight": norm(h),
+            p + "post_attention_layernorm.weight": norm(h),
+            p + "self_attn.q_proj.weight": randn(nh * hd, h),
+            p + "self_attn.k_proj.weight": randn(nkv * hd, h),
+            p + "self_attn.v_proj.weight": randn(nkv * hd, h),
+            p + "self_attn.o_proj.weight": randn(h, nh * hd),
+            p + "self_attn.q_norm.weight": norm(hd),
+            p + "self_attn.k_norm.weight": norm(hd),
+            p + "mlp.gate_proj.weight": randn(i, h),
+            p + "mlp.up_proj.weight": randn(i, h),
+            p + "mlp.down_proj.weight": randn(h, i),
+        })
+    return sd
+
+
+def write_checkpoint(out: str, dims: dict, seed: int, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
+    """Write config.json, model.safetensors and a tokenizer; returns the state dict written."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    os.makedirs(out, exist_ok=True)
+    config = Qwen3Config(max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="bfloat16", **dims)
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(out)
+    sd = state_dict if state_dict is not None else random_state_dict(dims, seed)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    write_tokenizer(out, dims["vocab_size"])
+    return sd
+
+
+def run_worker(scenario: str, model_dir: str, out_path: str, *server_args: str, env: dict | None = None,
+               timeout: int = 600, extra: dict | None = None) -> dict:
+    """Run one scenario of tests/sgl_worker.py in a fresh process; return what it saved."""
+    cmd = [sys.executable, WORKER, scenario, model_dir, out_path, json.dumps(extra or {}), *server_args]
+    proc_env = dict(os.environ)
+    proc_env.pop("FP8RL_OPTIONS", None)
+    proc_env.update(env or {})
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=proc_env)
+    if res.returncode != 0:
+        raise AssertionError(f"worker {scenario} failed (rc={res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-8000:]}")
+    result = torch.load(out_path, weights_only=False)
+    result["_log"] = res.stdout + res.stderr
+    return result

@@ -1,0 +1,128 @@
+"""Registration through SGLang's real plugin loader and argument parser (no model is built here)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from importlib.metadata import entry_points
+
+import pytest
+from sgl_model import TINY, write_checkpoint
+
+from sglang_fp8rl import plugin
+from sglang_fp8rl.server_args import ENV_VAR, Fp8rlOptions, get_options
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("plug") / "tiny")
+    write_checkpoint(d, TINY, seed=3)
+    return d
+
+
+@pytest.fixture(scope="module")
+def plugins_loaded():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+
+def test_entry_point_is_installed():
+    """The installed distribution advertises the plugin in SGLang's group."""
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("fp8_online_blockwise") == "sglang_fp8rl.plugin:register"
+
+
+def test_load_plugins_registers_quantization(plugins_loaded):
+    """After SGLang's own load_plugins(), the name is a CLI choice and maps to our config class."""
+    from sglang.srt import server_args
+    from sglang.srt.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    from sglang_fp8rl.layers.config import Fp8OnlineBlockwiseConfig
+
+    assert "fp8_online_blockwise" in server_args.QUANTIZATION_CHOICES
+    assert QUANTIZATION_METHODS["fp8_online_blockwise"] is Fp8OnlineBlockwiseConfig
+    assert get_quantization_config("fp8_online_blockwise") is Fp8OnlineBlockwiseConfig
+
+
+def test_register_is_idempotent(plugins_loaded):
+    """Calling register() again adds nothing twice and re-patches nothing."""
+    from sglang.srt import server_args
+    from sglang.srt.server_args import ServerArgs
+
+    add_before = ServerArgs.add_cli_args
+    plugin.register()
+    plugin.register()
+    assert server_args.QUANTIZATION_CHOICES.count("fp8_online_blockwise") == 1
+    assert ServerArgs.add_cli_args is add_before
+
+
+def test_prepare_server_args_parses_our_options(plugins_loaded, model_dir, monkeypatch):
+    """SGLang's own prepare_server_args accepts the flag and the --fp8rl-* options and publishes them."""
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    sa = prepare_server_args([
+        "--model-path", model_dir, "--device", "cpu", "--quantization", "fp8_online_blockwise",
+        "--fp8rl-bf16-first-layers", "2", "--fp8rl-bf16-last-layers", "1", "--fp8rl-ignore", r"o_proj$",
+        "--fp8rl-ignore", "layers\\.5\\.", "--fp8rl-scale-format", "pow2",
+    ])
+    assert sa.quantization == "fp8_online_blockwise"
+    assert get_options() == Fp8rlOptions(2, 1, (r"o_proj$", "layers\\.5\\."), "pow2")
+
+
+def test_bad_option_value_fails_before_sglang_starts(plugins_loaded, model_dir, monkeypatch):
+    """A bad value is an error naming the option; nothing is published."""
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    with pytest.raises(ValueError, match="--fp8rl-bf16-last-layers must be a non-negative integer"):
+        prepare_server_args(["--model-path", model_dir, "--device", "cpu", "--fp8rl-bf16-last-layers", "-3"])
+    assert get_options() == Fp8rlOptions()
+
+
+def test_options_appear_in_help(plugins_loaded):
+    """`python -m sglang.launch_server --help` lists our options with help text (same parser construction)."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    text = parser.format_help()
+    for option in ("--fp8rl-bf16-first-layers", "--fp8rl-bf16-last-layers", "--fp8rl-ignore", "--fp8rl-scale-format"):
+        assert option in text
+    assert "fp8_online_blockwise" in text
+
+
+@pytest.mark.parametrize("version,ok", [("0.5.17", True), ("0.5.23", True), ("0.5.16", False), ("0.6.0", False),
+                                        ("0.4.9.post1", False)])
+def test_version_gate(version, ok):
+    """Only sglang>=0.5.17,<0.6 is accepted, with a message that says which versions are."""
+    if ok:
+        assert plugin.check_sglang_version(version) == version
+    else:
+        with pytest.raises(RuntimeError, match=r"not supported \(sglang-fp8rl needs sglang>=0\.5\.17,<0\.6\.0\)"):
+            plugin.check_sglang_version(version)
+
+
+def test_failed_registration_logs_an_error_with_the_fix(monkeypatch, caplog):
+    """SGLang swallows plugin exceptions, so the failure must be an ERROR line naming this package and the fix."""
+    def unsupported(installed=None):
+        raise RuntimeError("SGLang 0.7.0 is not supported")
+
+    monkeypatch.setattr(plugin, "check_sglang_version", unsupported)
+    with caplog.at_level(logging.ERROR, logger="sglang_fp8rl.plugin"), pytest.raises(RuntimeError):
+        plugin.register()
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("sglang-fp8rl" in m and "FAILED" in m and "Fix:" in m for m in messages)
+
+
+def test_options_env_round_trip_and_validation(monkeypatch):
+    """The env-var transport validates what it reads."""
+    monkeypatch.setenv(ENV_VAR, '{"bf16_first_layers": 1, "scale_format": "pow2"}')
+    assert get_options() == Fp8rlOptions(bf16_first_layers=1, scale_format="pow2")
+    monkeypatch.setenv(ENV_VAR, '{"bogus": 1}')
+    with pytest.raises(ValueError, match="unknown option"):
+        get_options()
+    monkeypatch.setenv(ENV_VAR, "not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        get_options()

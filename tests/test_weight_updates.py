@@ -1,0 +1,173 @@
+"""Weight updates through SGLang's real WeightUpdater on a CPU ModelRunner: equivalence, pointers, atomic rejection.
+
+SGLang's HTTP server does not start on this CPU machine (its scheduler needs CUDA-only kernels), so these tests drive
+`ModelRunner.weight_updater.update_weights_from_{tensor,disk}` — the exact methods the endpoints and `sglang.Engine`
+reach in the scheduler process — with the plugin's engine hooks installed by SGLang's own plugin loader.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from sgl_model import TINY, random_state_dict, run_worker, write_checkpoint
+
+pytestmark = pytest.mark.slow
+
+QUANT = ("--quantization", "fp8_online_blockwise")
+
+
+def bucket(named: list[tuple[str, torch.Tensor]]) -> dict:
+    """The flattened_bucket payload SGLang's trainer-side helpers send."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    b = FlattenedTensorBucket(named_tensors=named)
+    return {"flattened_tensor": b.get_flattened_tensor(), "metadata": b.get_metadata()}
+
+
+def split_randomly(sd: dict, k: int, seed: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """The state dict in k buckets, shuffled (q/k/v and gate/up land in different buckets and orders)."""
+    items = list(sd.items())
+    random.Random(seed).shuffle(items)
+    return [items[i::k] for i in range(k)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("upd")
+    w0 = write_checkpoint(str(d / "w0"), TINY, seed=10)
+    w1 = random_state_dict(TINY, seed=11)
+    write_checkpoint(str(d / "w1"), TINY, seed=11, state_dict=w1)
+    cold_w1 = run_worker("load", str(d / "w1"), str(d / "cold_w1.pt"), *QUANT)
+    cold_w0 = run_worker("load", str(d / "w0"), str(d / "cold_w0.pt"), *QUANT)
+    return {"dir": d, "w0": w0, "w1": w1, "cold_w1": cold_w1, "cold_w0": cold_w0}
+
+
+def run_requests(models, name: str, requests: list[dict], **extra) -> dict:
+    d = models["dir"]
+    path = str(d / f"{name}.req.pt")
+    torch.save(requests, path)
+    return run_worker("updates", str(d / "w0"), str(d / f"{name}.out.pt"), *QUANT,
+                      extra={"requests": path, **extra})
+
+
+def assert_same_params(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name].view(torch.uint8) if a[name].dtype == torch.float8_e4m3fn else a[name],
+                           b[name].view(torch.uint8) if b[name].dtype == torch.float8_e4m3fn else b[name]), name
+
+
+def test_update_equivalence_buckets_orders_and_paths(models):
+    """W0 loaded, W1 pushed in 4 shuffled requests (lists and flattened buckets, FP32 and BF16): every parameter is
+    bit-identical to a cold load of W1, no pointer moved, and logits equal the cold load's."""
+    parts = split_randomly(models["w1"], 4, seed=0)
+    requests = [
+        {"kind": "tensor", "tensors": parts[0]},
+        {"kind": "bucket", "bucket": bucket(parts[1])},
+        # FP32 from a trainer: rounded to BF16 first, so identical to the BF16 checkpoint
+        {"kind": "tensor", "tensors": [(n, t.float()) for n, t in parts[2]]},
+        {"kind": "bucket", "bucket": bucket(parts[3])},
+    ]
+    out = run_requests(models, "equiv", requests, params_each=False)
+    assert all(ok for ok, _ in out["answers"]), out["answers"]
+    assert out["ptrs_before"] == out["ptrs_after"]
+    assert_same_params(out["final_params"], models["cold_w1"]["params"])
+    for got, want in zip(out["logits"], models["cold_w1"]["logits"]):
+        assert torch.equal(got, want)
+    assert "[fp8rl] weight update #4" in out["_log"]
+
+
+def test_partial_update_changes_exactly_its_rows(models):
+    """A new k_proj of layer 1 changes rows 256:384 of that qkv weight and scale row 2, nothing else."""
+    name = "model.layers.1.self_attn.k_proj.weight"
+    out = run_requests(models, "partial", [{"kind": "tensor", "tensors": [(name, models["w1"][name])]}])
+    assert out["answers"][0][0], out["answers"]
+    after, before = out["final_params"], models["cold_w0"]["params"]
+    qkv, scale = "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.self_attn.qkv_proj.weight_scale_inv"
+    for param in after:
+        if param not in (qkv, scale):
+            assert torch.equal(after[param].view(torch.uint8) if after[param].dtype == torch.float8_e4m3fn
+                               else after[param], before[param].view(torch.uint8) if before[param].dtype ==
+                               torch.float8_e4m3fn else before[param]), param
+    changed_rows = (after[qkv].view(torch.uint8) != before[qkv].view(torch.uint8)).any(dim=1).nonzero().flatten()
+    assert changed_rows.min() >= 256 and changed_rows.max() < 384 and len(changed_rows) > 100
+    assert torch.equal(after[qkv][256:384].view(torch.uint8), models["cold_w1"]["params"][qkv][256:384].view(torch.uint8))
+    assert torch.equal(after[scale][[0, 1, 3]], before[scale][[0, 1, 3]])
+    assert torch.equal(after[scale][2], models["cold_w1"]["params"][scale][2])
+    assert out["ptrs_before"] == out["ptrs_after"]
+
+
+def bad_requests(models) -> list[tuple[str, dict, str]]:
+    """(case, request, expected message fragment): each must be refused with nothing written."""
+    w1 = models["w1"]
+    good = ("model.layers.0.self_attn.q_proj.weight", w1["model.layers.0.self_attn.q_proj.weight"])
+    k = "model.layers.0.self_attn.k_proj.weight"
+    nan = w1[k].clone()
+    nan[5, 7] = float("nan")
+    inf = w1["model.norm.weight"].clone()
+    inf[3] = float("inf")
+    truncated = bucket([good, (k, w1[k])])
+    truncated["flattened_tensor"] = truncated["flattened_tensor"][:-64]
+    return [
+        ("unknown name", {"tensors": [good, ("model.layers.0.mlp.bogus_proj.weight", w1[k])]}, "not a parameter"),
+        ("wrong shape", {"tensors": [good, (k, w1[k][:64])]}, "expected an unsharded tensor of shape (128, 256)"),
+        ("wrong shape bf16 param", {"tensors": [good, ("model.norm.weight", w1["model.norm.weight"][:10])]},
+         "model.norm.weight"),
+        ("wrong dtype int", {"tensors": [good, (k, w1[k].to(torch.int32))]}, "dtype torch.int32 is not accepted"),
+        ("fp8 dtype", {"tensors": [good, (k, w1[k].to(torch.float8_e4m3fn))]}, "is not accepted"),
+        ("nan", {"tensors": [good, (k, nan)]}, "contains NaN/Inf (first at index [5, 7])"),
+        ("inf in a bf16 param", {"tensors": [good, ("model.norm.weight", inf)]}, "contains NaN/Inf (first at index [3])"),
+        ("duplicate", {"tensors": [good, good]}, "appears more than once"),
+        ("fused name", {"tensors": [good, ("model.layers.0.self_attn.qkv_proj.weight",
+                                           torch.cat([w1[good[0]], w1[k], w1[k]]))]}, "not accepted"),
+        ("scale tensor", {"tensors": [good, ("model.layers.0.self_attn.o_proj.weight_scale_inv",
+                                             torch.ones(2, 2))]}, "must not contain scale tensors"),
+        ("truncated bucket", {"kind": "bucket", "bucket": truncated}, "truncated bucket"),
+    ]
+
+
+def test_bad_updates_are_rejected_atomically(models):
+    """Each bad request answers success=False naming the tensor and reason, and every parameter stays
+    byte-identical (the valid tensor in the same request is not applied either); the engine stays consistent."""
+    cases = bad_requests(models)
+    requests = [{"kind": "tensor", **req} if "kind" not in req else req for _, req, _ in cases]
+    out = run_requests(models, "bad", requests)
+    before = models["cold_w0"]["params"]
+    for (case, _, fragment), (ok, message), params in zip(cases, out["answers"], out["params_after"]):
+        assert not ok, case
+        assert fragment in message, (case, message)
+        assert "nothing was written" in message or "truncated" in message, (case, message)
+        assert_same_params(params, before)
+    assert out["ptrs_before"] == out["ptrs_after"]
+    assert out["state"]["consistent"]
+
+
+def test_disk_update_equivalence_and_rejection(models, tmp_path):
+    """update_weights_from_disk of W1 equals a cold load of W1; a checkpoint with a NaN is refused up front."""
+    bad = dict(models["w1"])
+    bad["model.layers.2.mlp.down_proj.weight"] = bad["model.layers.2.mlp.down_proj.weight"].clone()
+    bad["model.layers.2.mlp.down_proj.weight"][0, 0] = float("nan")
+    write_checkpoint(str(tmp_path / "bad"), TINY, seed=0, state_dict=bad)
+    d = models["dir"]
+    out = run_requests(models, "disk", [{"kind": "disk", "path": str(tmp_path / "bad")},
+                                        {"kind": "disk", "path": str(d / "w1")}])
+    (ok_bad, msg_bad), (ok_good, msg_good) = out["answers"]
+    assert not ok_bad and "model.layers.2.mlp.down_proj.weight: contains NaN/Inf" in msg_bad
+    assert_same_params(out["params_after"][0], models["cold_w0"]["params"])
+    assert ok_good, msg_good
+    assert_same_params(out["final_params"], models["cold_w1"]["params"])
+    assert out["ptrs_before"] == out["ptrs_after"]
+
+
+def test_200_updates_do_not_grow_live_tensors(models):
+    """200 consecutive full updates: the number of live tensors after update 10 and after update 200 is the same,
+    and no parameter pointer moved."""
+    d = models["dir"]
+    path = str(d / "leak.req.pt")
+    torch.save([{"tensors": list(models["w1"].items())}], path)
+    out = run_worker("leak", str(d / "w0"), str(d / "leak.out.pt"), *QUANT, extra={"requests": path, "n": 200})
+    first, last = out["live_tensors"]
+    assert last <= first, out["live_tensors"]
+    assert out["ptrs_before"] == out["ptrs_after"]
