@@ -35,9 +35,10 @@ Reported (accuracy.json, summary.md, accuracy.png, printed table):
   python scripts/accuracy_regression.py --model /path/Qwen3-0.6B --prompts prompts.txt --max-new-tokens 64 --out /tmp/acc
 
 Engine settings: attention_backend triton, sampling_backend pytorch, grammar_backend none, dtype bfloat16,
-mem_fraction_static 0.3, radix cache off (every request is computed in full), decode CUDA graphs on (max bs =
---chunk), prefill CUDA graph off unless --prefill-cuda-graph (its capture costs ~1 min per engine start and does
-not change the kernels). Each engine's own log goes to OUT/engine_<name>.log (its stdout/stderr are redirected
+mem_fraction_static 0.3, radix cache off (every request is computed in full), decode CUDA graphs on (one graph,
+bs = --chunk; smaller decode batches are padded to it, which keeps the triton JIT at engine start short), prefill
+CUDA graph off unless --prefill-cuda-graph (its capture costs ~1 min per engine start and does not change the
+kernels). Each engine's own log goes to OUT/engine_<name>.log (its stdout/stderr are redirected
 while it runs); `[fp8rl]` lines from it are copied into accuracy.json.
 """
 from __future__ import annotations
@@ -343,7 +344,7 @@ def run_engine(name, args, prompts, max_new_tokens, top_k, score_conts, quantiza
     kwargs = dict(model_path=args.model, tokenizer_path=args.model, dtype="bfloat16", attention_backend="triton",
                   sampling_backend="pytorch", grammar_backend="none", mem_fraction_static=args.mem_fraction_static,
                   disable_radix_cache=True, random_seed=args.seed, log_level=args.log_level,
-                  cuda_graph_max_bs_decode=args.chunk, disable_prefill_cuda_graph=not args.prefill_cuda_graph)
+                  cuda_graph_bs_decode=[args.chunk], disable_prefill_cuda_graph=not args.prefill_cuda_graph)
     if quantization:
         kwargs["quantization"] = quantization
     for kv in args.engine_arg:
@@ -355,7 +356,7 @@ def run_engine(name, args, prompts, max_new_tokens, top_k, score_conts, quantiza
     rec = {"gen": [], "score": []}
     t0 = time.time()
     with redirect_fds(log_path):
-        print(f"[accuracy] engine {name}: {json.dumps(kwargs)}", flush=True)
+        os.write(1, f"[accuracy] engine {name}: {json.dumps(kwargs)}\n".encode())
         engine = sglang.Engine(**kwargs)
         t_start = time.time() - t0
         say(f"engine {name} up in {t_start:.0f} s (log {log_path})")
@@ -476,7 +477,7 @@ def parse_args(argv=None):
     p.add_argument("--quantization", default="fp8_online_blockwise", help="the engine compared with BF16")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--mem-fraction-static", type=float, default=0.3)
-    p.add_argument("--chunk", type=int, default=64, help="prompts per generate() call (= decode CUDA-graph max bs)")
+    p.add_argument("--chunk", type=int, default=64, help="prompts per generate() call (= the decode CUDA-graph bs)")
     p.add_argument("--prefill-cuda-graph", action="store_true")
     p.add_argument("--no-hf-reference", action="store_true", help="skip the HF transformers BF16 reference")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",

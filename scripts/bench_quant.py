@@ -236,7 +236,8 @@ def print_predictions(copy_bps: float) -> None:
                 b = bytes_moved(shape, dtype, mode)
                 total += NUM_LAYERS * b
                 print(f"  {name:>13} {dtype_name} {mode:>7}: {b / 1e6:9.2f} MB -> {b / copy_bps * 1e6:8.1f} us")
-            print(f"  {'whole model':>13} {dtype_name} {mode:>7}: {total / 1e9:9.3f} GB -> {total / copy_bps * 1e3:8.3f} ms")
+            whole = f"{total / 1e9:9.3f} GB -> {total / copy_bps * 1e3:8.3f} ms"
+            print(f"  {'whole model':>13} {dtype_name} {mode:>7}: {whole}")
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -248,8 +249,9 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['case']} | {r['input']} | {r['mode']} | {r['bytes'] / 1e6:.1f} | {r['predicted_us']:.1f} | "
-            f"{r['triton_us']:.1f} | {r['triton_gbps']:.0f} | {100 * r['fraction_of_copy']:.1f} | {r['graph_us']:.1f} | "
-            f"{100 * r['graph_fraction_of_copy']:.1f} | {r['precheck_us']:.1f} | {r['torch_ref_us']:.1f} | "
+            f"{r['triton_us']:.1f} | {r['triton_gbps']:.0f} | {100 * r['fraction_of_copy']:.1f} | "
+            f"{r['graph_us']:.1f} | {100 * r['graph_fraction_of_copy']:.1f} | {r['precheck_us']:.1f} | "
+            f"{r['torch_ref_us']:.1f} | "
             f"{r['speedup_vs_torch_ref']:.1f}x |"
         )
     return "\n".join(lines)

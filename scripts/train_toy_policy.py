@@ -162,11 +162,12 @@ def make_batch(rng, n, task, device):
         seqs.append(p + ans)
         starts.append(len(p))
     L = max(len(s) for s in seqs)
-    ids = torch.full((n, L), PAD, dtype=torch.long)
-    labels = torch.full((n, L), -100, dtype=torch.long)
-    for i, (s, st) in enumerate(zip(seqs, starts)):
-        ids[i, :len(s)] = torch.tensor(s)
-        labels[i, st:len(s)] = torch.tensor(s[st:])  # HF shifts labels inside the loss
+    ids = torch.tensor([s + [PAD] * (L - len(s)) for s in seqs], dtype=torch.long)
+    # loss on the answer tokens only (HF shifts labels inside the loss: label j is predicted at position j - 1)
+    labels = torch.tensor([[-100] * st + s[st:] + [-100] * (L - len(s)) for s, st in zip(seqs, starts)],
+                          dtype=torch.long)
+    if device.type == "cuda":
+        ids, labels = ids.pin_memory(), labels.pin_memory()
     return ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
 

@@ -1,10 +1,11 @@
 """CPU checks of sglang_fp8rl.kernels: the dispatch falls back to quant.py bit for bit and validates like it.
 
 The last tests run the Triton kernels under TRITON_INTERPRET=1 (in a subprocess, since the interpreter is chosen
-when a kernel is defined). The interpreter's FP32 -> FP8 and FP32 -> BF16 casts do not round like the hardware,
-so there the kernels write into float32 destinations (the clamped quotient, before the FP8 cast) from inputs that
-are exact in BF16: indexing, masks, strides, amax, scales (exactly), the division and the NaN/Inf flag are checked;
-the casts are checked on the GPU (tests/gpu/test_triton_quant.py).
+when a kernel is defined). The interpreter's FP32 -> FP8 and FP32 -> BF16 casts do not round like the hardware
+and its fma rounds twice, so there the kernels write into float32 destinations (the clamped quotient, before the
+FP8 cast) from inputs that are exact in BF16, with the fma replaced by an extended-precision one: indexing, masks,
+strides, amax, scales (exactly), the division and the NaN/Inf flag are checked; the casts and the real FMA are
+checked on the GPU (tests/gpu/test_triton_quant.py).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def _blockwise_cases() -> list[tuple]:
     q, s = torch.empty(130, 200, dtype=quant.FP8_DTYPE), torch.empty(2, 2)
     nan_w = w.clone()
     nan_w[70, 150] = float("nan")
+    w3d = torch.randn(130, 200, 1)
     return [
         (w, torch.empty(130, 201, dtype=quant.FP8_DTYPE), s, quant.DEFAULT_BLOCK_SIZE, "fp32"),
         (w, torch.empty(130, 200, dtype=torch.bfloat16), s, quant.DEFAULT_BLOCK_SIZE, "fp32"),
@@ -101,7 +103,7 @@ def _blockwise_cases() -> list[tuple]:
         (w, q, s, (64, 64), "fp32"),  # the scale is (3, 4) for 64x64 blocks
         (w, q, s, (0, 128), "fp32"),
         (w.int(), q, s, quant.DEFAULT_BLOCK_SIZE, "fp32"),
-        (torch.randn(130, 200, 1), torch.empty(130, 200, 1, dtype=quant.FP8_DTYPE), s, quant.DEFAULT_BLOCK_SIZE, "fp32"),
+        (w3d, torch.empty(130, 200, 1, dtype=quant.FP8_DTYPE), s, quant.DEFAULT_BLOCK_SIZE, "fp32"),
         (nan_w, q, s, quant.DEFAULT_BLOCK_SIZE, "fp32"),
         (nan_w, q, s, quant.DEFAULT_BLOCK_SIZE, "bogus"),  # NaN reported first, as in the reference
     ]
@@ -204,9 +206,20 @@ def test_supports_block_size_and_per_channel_tiles() -> None:
 
 INTERPRETER_CHECK = textwrap.dedent(
     """
+    import numpy as np
     import torch
+    from triton.runtime import interpreter
+
     from sglang_fp8rl import quant
     from sglang_fp8rl.kernels import triton_quant as tq
+
+    def fused_multiply_add(self, x, y, z):
+        # the interpreter's fma rounds twice (x * y + z in float32); the kernel relies on a real FMA. In extended
+        # precision the first residual is exact and the second sum double-rounds with negligible probability.
+        exact = x.data.astype(np.longdouble) * y.data.astype(np.longdouble) + z.data.astype(np.longdouble)
+        return interpreter.TensorHandle(exact.astype(z.data.dtype), z.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_fma = fused_multiply_add
 
     torch.manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
 

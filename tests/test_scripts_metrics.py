@@ -467,3 +467,76 @@ def test_bench_rollout_main_with_fake_runs(tmp_path, monkeypatch):
         names = tf.getnames()
     assert "raw/bf16.log" in names and "raw/env.txt" in names
     assert (tmp_path / "models" / "qwen3-8b" / "config.json").exists()
+
+
+class _FakeEngine:
+    """Stands in for sglang.Engine: a fixed 'model' p(next | last token), answers in SGLang's meta_info format."""
+
+    instances = []
+
+    def __init__(self, **kw):
+        self.kw = kw
+        self.shift = 0.3 if kw.get("quantization") else 0.0
+        _FakeEngine.instances.append(self)
+        # like the engine's scheduler subprocess: straight to the (redirected) fd 1
+        os.write(1, b"[2026-11-22 TP0] [fp8rl] fake scheme line\n" if kw.get("quantization") else b"bf16 engine\n")
+
+    def _dist(self, last):
+        logits = [0.0] * 32
+        logits[(last * 7 + 3) % 17] = 4.0
+        logits[TT.EOS] = 1.0 + self.shift
+        lp = _softmax_logs(logits)
+        return dict(enumerate(lp))
+
+    def _top(self, d, k):
+        return [(lp, t, None) for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:k]]
+
+    def generate(self, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len):
+        assert return_logprob and logprob_start_len == 0
+        outs = []
+        for ids in input_ids:
+            top_in = [None] + [self._top(self._dist(ids[j - 1]), top_logprobs_num) for j in range(1, len(ids))]
+            tok_in = [(None, ids[0], None)] + [(self._dist(ids[j - 1])[ids[j]], ids[j], None) for j in range(1, len(ids))]
+            out, last, top_out, tok_out = [], ids[-1], [], []
+            for _ in range(sampling_params["max_new_tokens"]):
+                d = self._dist(last)
+                t = max(d, key=d.get)
+                out.append(t)
+                top_out.append(self._top(d, top_logprobs_num))
+                tok_out.append((d[t], t, None))
+                last = t
+                if t in sampling_params.get("stop_token_ids", []):
+                    break
+            outs.append({"output_ids": out, "meta_info": {
+                "input_top_logprobs": top_in, "input_token_logprobs": tok_in, "output_top_logprobs": top_out,
+                "output_token_logprobs": tok_out, "finish_reason": {"type": "stop"}}})
+        return outs
+
+    def shutdown(self):
+        pass
+
+
+def test_accuracy_regression_main_with_fake_engine(tmp_path, monkeypatch):
+    sglang = pytest.importorskip("sglang")
+    monkeypatch.setattr(sglang, "Engine", _FakeEngine, raising=False)
+    model = tmp_path / "toy"
+    model.mkdir()
+    TT.build_tokenizer().save_pretrained(model)
+    (model / "config.json").write_text(json.dumps({"vocab_size": TT.VOCAB_SIZE}))
+    (model / "task.json").write_text(json.dumps(TT.DEFAULT_TASK))
+    out = tmp_path / "acc"
+    rc = AR.main(["--model", str(model), "--task", "addition", "--out", str(out), "--n-prompts", "10", "--chunk", "4",
+                  "--no-hf-reference"])
+    assert rc == 0
+    res = json.loads((out / "accuracy.json").read_text())
+    m = res["metrics"]
+    assert res["meta"]["kl_exact"] and res["meta"]["top_k"] == TT.VOCAB_SIZE and res["meta"]["n_prompts"] == 10
+    assert m["kl_prompt"]["n"] == 10 * 12 and m["kl_continuation"]["n"] > 0 and m["kl_all"]["mean"] > 0
+    assert 0.0 <= m["greedy_identical_fraction"] <= 1.0 and "task_exact_match_fp8" in m
+    assert res["meta"]["fp8rl"] == ["[fp8rl] fake scheme line"]
+    assert "[fp8rl] fake scheme line" in (out / "engine_fp8.log").read_text()
+    assert [e.kw.get("quantization") for e in _FakeEngine.instances[-2:]] == [None, "fp8_online_blockwise"]
+    kw = _FakeEngine.instances[-1].kw
+    assert kw["attention_backend"] == "triton" and kw["sampling_backend"] == "pytorch" and kw["grammar_backend"] == "none"
+    assert kw["mem_fraction_static"] == 0.3 and kw["disable_radix_cache"] and kw["cuda_graph_bs_decode"] == [4]
+    assert "KL(BF16‖FP8) continuation positions" in (out / "summary.md").read_text()

@@ -11,6 +11,8 @@
 #   profile   scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode --batch-sizes 64 128
 #             --output-len 256 (top decode kernels by CUDA time)                        (~1.5-2 min)
 #   moe       scripts/bench_rollout.py --moe (Qwen3-30B-A3B shapes, bs 32 64, out 512, mem 0.88) (~6-9 min: own call)
+#   server    scripts/gpu/check_server.py on qwen3-small (launch_server + weight updates over HTTP)
+#   quant     scripts/bench_quant.py --json $WORK/bench_quant.json (quantization kernel micro-benchmark)
 #   update    $UPDATE_SCRIPT --out $WORK/update (default scripts/bench_weight_update.py; skipped if absent)
 # Expected times are estimates from shared/gpu/README.md's measurements (server import 24-34 s, bench_one_batch
 # 40-110 s per config), not measured with these scripts.
@@ -27,7 +29,8 @@
 #
 # Output: everything under $WORK (/tmp/fp8rl_suite, kept between calls while the machine is warm; logs/STAGE.log
 # per stage); into $OUT (at most 8 files come back): suite_summary.md, suite_logs_<time>.tgz, and the stage
-# results that exist: rollout_results.json, accuracy.json, accuracy.png, moe_results.json, profile_top_kernels.txt.
+# results made by this call (rollout_results.json, accuracy.json, accuracy.png, check_server.json, bench_quant.json,
+# moe_results.json, profile_top_kernels.txt; the first 6 that exist, the rest only inside the tgz).
 # stdout ends with the summary (stage table + each stage's own table).
 # Env: OUT, WORK, DEADLINE (s from start; 570), T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
 #      MOE_ARGS, PROFILE_ARGS, ACC_ARGS (extra args per script), UPDATE_SCRIPT.
@@ -41,7 +44,7 @@ MODELS=$WORK/models
 LOGS=$WORK/logs
 STAMP=$(date +%H%M%S)
 mkdir -p "$OUT" "$WORK" "$LOGS"
-[ $# -gt 0 ] || { sed -n '2,32p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set -u/p' "$0" | grep '^#'; exit 2; }
 
 if [ -z "${FP8RL_REPO:-}" ]; then
   # shellcheck disable=SC1091
@@ -70,6 +73,9 @@ run_stage() {
   local note=""; [ $rc = 124 ] || [ $rc = 137 ] && note="TIMEOUT"
   say "end $name rc=$rc ${dt} s $note"
   record "$name" "$rc" "$dt" "$note"
+  if [ $rc != 0 ]; then
+    say "$name: last lines of $LOGS/$name.log:"; grep -v "^\s*$" "$LOGS/$name.log" | tail -12 | cut -c1-300
+  fi
   return $rc
 }
 
@@ -109,6 +115,11 @@ for st in "$@"; do
     moe)
       l=$(left); run_stage moe 200 560 $PY scripts/bench_rollout.py --moe --out "$WORK/moe" --model-dir "$MODELS" \
         --budget-s 240 --deadline-s $(( l - 25 )) ${MOE_ARGS:-} ;;
+    server)
+      $PY scripts/gpu/make_models.py "$MODELS" qwen3-small >/dev/null
+      run_stage server 120 420 $PY scripts/gpu/check_server.py --model-dir "$MODELS" --out "$WORK/server" ;;
+    quant)
+      run_stage quant 60 240 $PY scripts/bench_quant.py --json "$WORK/bench_quant.json" ;;
     update)
       us=${UPDATE_SCRIPT:-scripts/bench_weight_update.py}
       if [ -f "$us" ]; then
@@ -134,15 +145,21 @@ SUM=$WORK/suite_summary_$STAMP.md
                 [ -f "$WORK/accuracy/summary.md" ] && { echo; cat "$WORK/accuracy/summary.md"; } ;;
       rollout|profile|moe) [ -f "$WORK/$st/summary.md" ] && { echo; echo "## $st"; cat "$WORK/$st/summary.md"; }
                 [ "$st" = profile ] && [ -f "$WORK/profile/profile_top_kernels.txt" ] && head -30 "$WORK/profile/profile_top_kernels.txt" ;;
+      server) [ -f "$WORK/server/check_server.json" ] && { echo; echo "## server"; cat "$WORK/server/check_server.json"; } ;;
+      quant) [ -f "$LOGS/quant.log" ] && { echo; echo "## quant"; tail -40 "$LOGS/quant.log"; } ;;
       update) [ -f "$WORK/update/summary.md" ] && { echo; echo "## update"; cat "$WORK/update/summary.md"; } ;;
     esac
   done
 } > "$SUM"
 
 cp "$SUM" "$OUT/suite_summary.md"
+NCOPY=0
 for pair in rollout/results.json:rollout_results.json accuracy/accuracy.json:accuracy.json accuracy/accuracy.png:accuracy.png \
-            moe/results.json:moe_results.json profile/profile_top_kernels.txt:profile_top_kernels.txt; do
-  src=$WORK/${pair%%:*}; [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && cp "$src" "$OUT/${pair##*:}"
+            server/check_server.json:check_server.json bench_quant.json:bench_quant.json moe/results.json:moe_results.json profile/profile_top_kernels.txt:profile_top_kernels.txt; do
+  src=$WORK/${pair%%:*}
+  if [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && [ "$NCOPY" -lt 6 ]; then  # $OUT returns at most 8 files
+    cp "$src" "$OUT/${pair##*:}" && NCOPY=$(( NCOPY + 1 ))
+  fi
 done
 tar czf "$OUT/suite_logs_$STAMP.tgz" -C "$WORK" --exclude='models' --exclude='*.safetensors' . 2>/dev/null
 say "results -> $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -82,7 +82,7 @@ def check_nonfinite_flag(flag: torch.Tensor, inputs: Mapping[str, torch.Tensor] 
     if not bool(slots.any()):
         return
     named = list((inputs or {}).items())
-    if len(named) == len(slots) > 1:
+    if len(slots) > 1 and len(named) == len(slots):  # one slot per input: re-check only the flagged ones
         named = [item for item, bad in zip(named, slots.tolist()) if bad]
     for name, w in named:
         # slow path, only on error: the reference check names the first bad element in row-major order

@@ -164,7 +164,9 @@ def telemetry(model: Optional[torch.nn.Module]) -> dict[str, Any]:
             if config is not None and hasattr(config, "report"):
                 report = config.report.as_dict()
                 break
+    fp8_ptrs = [p.data_ptr() for p in model.parameters() if p.dtype == torch.float8_e4m3fn] if model else []
     return {
+        "fp8_param_ptr_digest": hash(tuple(fp8_ptrs)),
         "updates": state.updates,
         "consistent": state.consistent,
         "inconsistent_reason": state.inconsistent_reason,
@@ -178,7 +180,9 @@ def _wrap_internal_state(original: Callable) -> Callable:
         result = original(self, *args, **kwargs)
         model = getattr(getattr(getattr(self, "tp_worker", None), "model_runner", None), "model", None)
         if model is not None and is_attached(model):
-            result["fp8rl"] = telemetry(model)
+            # 0.5.17 returns GetInternalStateReqOutput(internal_state=dict); older versions a plain dict
+            state = result.internal_state if hasattr(result, "internal_state") else result
+            state["fp8rl"] = telemetry(model)
         return result
 
     return get_internal_state

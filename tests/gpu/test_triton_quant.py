@@ -18,6 +18,10 @@ import torch
 from sglang_fp8rl import quant
 from sglang_fp8rl.kernels import dispatch
 
+triton = pytest.importorskip("triton")
+tl = triton.language
+from sglang_fp8rl.kernels import triton_quant  # noqa: E402
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FORMATS = ("fp32", "pow2")
 POISON_CODE = 0x7F  # e4m3fn NaN
@@ -134,7 +138,8 @@ def test_blockwise_into_row_slices_of_a_parameter(dtype: torch.dtype, fmt: str) 
     sections = [(0, 128), (128, 640), (640, 896), (896, n_total)]  # block-aligned starts, last one ragged
     weights = [random_weight(r1 - r0, k, dtype, gen).cuda() for r0, r1 in sections]
     for (r0, r1), w in zip(sections[1:], weights[1:]):  # section 0 is left unwritten on purpose
-        dispatch.quantize_blockwise_into(w, q_param[r0:r1], s_param[r0 // 128 : quant.ceil_div(r1, 128)], scale_format=fmt)
+        scale_rows = s_param[r0 // 128 : quant.ceil_div(r1, 128)]
+        dispatch.quantize_blockwise_into(w, q_param[r0:r1], scale_rows, scale_format=fmt)
     for (r0, r1), w in zip(sections[1:], weights[1:]):
         q_ref, s_ref = quant.quantize_blockwise(w.cpu(), scale_format=fmt)
         assert_bits_equal(q_param[r0:r1], q_ref, f"q rows {r0}:{r1}", seed)
@@ -431,11 +436,35 @@ def test_validation_errors_match_the_reference_on_cuda() -> None:
     assert bool((good_q.view(torch.uint8) == POISON_CODE).all()) and bool(good_s.isnan().all())
 
 
+@triton.jit
+def _division_mismatch_kernel(out_ptr, S_BLOCK: tl.constexpr):
+    """Count pairs where the kernel's quotient differs from div.rn: all 128 BF16 significands x S_BLOCK scales."""
+    mantissa = tl.program_id(0) * S_BLOCK + tl.arange(0, S_BLOCK)
+    scale = (mantissa | 0x3F800000).to(tl.float32, bitcast=True)[None, :]  # every float32 significand in [1, 2)
+    x = ((tl.arange(0, 128) << 16) | 0x3F800000).to(tl.float32, bitcast=True)[:, None]  # every BF16 one in [1, 2)
+    want = tl.math.div_rn(x, scale)
+    got = triton_quant._clamped_quotient(x, scale, triton_quant._reciprocal(scale))
+    differ = want.to(tl.int32, bitcast=True) != got.to(tl.int32, bitcast=True)
+    tl.atomic_add(out_ptr, tl.sum(differ.to(tl.int32)))
+
+
+@pytest.mark.gpu
+def test_reciprocal_division_is_correctly_rounded_for_every_bf16_input() -> None:
+    """Exhaustive: x * RN(1/s) + one FMA correction == RN(x / s) for all 2**7 x 2**23 significand pairs.
+
+    Correct rounding of a normal quotient depends only on the significands (every step scales by powers of two
+    and stays normal for the quotients that encode to a non-zero FP8 value), so this covers every BF16 weight and
+    every float32 scale_inv; both quotient binades occur (x < s and x >= s).
+    """
+    s_block = 1024
+    mismatches = torch.zeros(1, dtype=torch.int32, device="cuda")
+    _division_mismatch_kernel[(2**23 // s_block,)](mismatches, S_BLOCK=s_block, num_warps=8)
+    assert int(mismatches.item()) == 0
+
+
 @pytest.mark.gpu
 def test_ptx_uses_correctly_rounded_division_and_conversions() -> None:
-    """div.rn (not Triton's approximate '/'), RNE to BF16 and RNE-saturating to E4M3: the source of bit-exactness."""
-    from sglang_fp8rl.kernels import triton_quant
-
+    """div.rn and fma.rn (not Triton's approximate '/'), RNE to BF16, RNE-saturating to E4M3."""
     w = torch.randn(256, 256, device="cuda")
     q, s = poisoned_codes((256, 256)), poisoned_scales((2, 2))
     for kernel in (
@@ -443,7 +472,7 @@ def test_ptx_uses_correctly_rounded_division_and_conversions() -> None:
         triton_quant.quantize_per_channel_launch(w, q, poisoned_scales((256,)), False),
     ):
         ptx = kernel.asm["ptx"]
-        assert "div.rn.f32" in ptx
+        assert "div.rn.f32" in ptx and "fma.rn.f32" in ptx
         assert "div.full.f32" not in ptx and "div.approx" not in ptx
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
         assert "cvt.rn.bf16" in ptx
