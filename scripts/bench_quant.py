@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -223,6 +224,30 @@ def whole_model_rows(copy_bps: float) -> list[dict]:
     return rows
 
 
+def host_overhead_us(calls: int = 2000) -> dict[str, float]:
+    """Host time per call, on a 128x128 tensor (GPU work negligible): what the eager update loop pays per tensor."""
+    from sglang_fp8rl.kernels import triton_quant
+
+    w, q, s = make_set((128, 128), torch.bfloat16, "block")
+    flag = dispatch.new_nonfinite_flag("cuda")
+    candidates = {
+        "dispatch (flag)": lambda: dispatch.quantize_blockwise_into(w, q, s, nonfinite_flag=flag),
+        "dispatch (pre-check)": lambda: dispatch.quantize_blockwise_into(w, q, s),
+        "launcher only": lambda: triton_quant.quantize_blockwise_launch(w, q, s, quant.DEFAULT_BLOCK_SIZE, False, flag),
+        "torch zero_ (baseline)": lambda: s.zero_(),
+    }
+    result = {}
+    for name, fn in candidates.items():
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        result[name] = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+    return result
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # report
 
@@ -277,6 +302,11 @@ def main() -> int:
     for line in consistency:
         print(f"  {line}")
 
+    print("\nhost time per call (128x128 input, so the GPU never limits it):")
+    overhead = host_overhead_us()
+    for name, us in overhead.items():
+        print(f"  {name:>24}: {us:6.1f} us")
+
     print("\nper tensor (rotating buffers):")
     rows = per_shape_rows(copy_bps)
     print(f"\nwhole model ({NUM_LAYERS} layers x {len(QWEN3_8B_LAYER)} tensors, one call each):")
@@ -301,6 +331,7 @@ def main() -> int:
                     "target_fraction": TARGET_FRACTION,
                     "target_met": met,
                     "consistency": consistency,
+                    "host_overhead_us": overhead,
                     "rows": rows,
                 },
                 f,

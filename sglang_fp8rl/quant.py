@@ -64,7 +64,10 @@ def _check_scale_format(scale_format: str) -> None:
 def scale_from_amax(amax: torch.Tensor, scale_format: ScaleFormat = "fp32") -> torch.Tensor:
     """Dequantization multiplier from a group's amax: amax/448, or its power-of-two ceiling."""
     _check_scale_format(scale_format)
-    scale = amax.float().clamp(min=AMAX_FLOOR) / FP8_MAX
+    amax = amax.float().clamp(min=AMAX_FLOOR)
+    # divide by a tensor: on CUDA, torch turns division by a Python scalar into multiplication by its reciprocal,
+    # which differs in the last bit and would make the reference device-dependent
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if scale_format == "pow2":
         # frexp is exact: scale = m * 2**e with m in [0.5, 1); scale is a power of two iff m == 0.5
         mantissa, exponent = torch.frexp(scale)

@@ -17,6 +17,7 @@ NaN/Inf, two modes on the Triton path:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping
 
@@ -26,22 +27,22 @@ from sglang_fp8rl import quant
 from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE, FP8_DTYPE, ScaleFormat
 
 NONFINITE_FLAG_DTYPE = torch.int32
+KERNEL_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @functools.cache
+def _kernels():
+    """The Triton kernel module, or None where Triton does not import (imported once, on first use)."""
+    try:
+        from sglang_fp8rl.kernels import triton_quant
+    except ImportError:
+        return None
+    return triton_quant
+
+
 def triton_available() -> bool:
     """Whether the Triton kernels import (never on a machine without Triton)."""
-    try:
-        from sglang_fp8rl.kernels import triton_quant  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _triton_quant():
-    from sglang_fp8rl.kernels import triton_quant
-
-    return triton_quant
+    return _kernels() is not None
 
 
 def _on_kernel_path(w: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor) -> bool:
@@ -51,9 +52,16 @@ def _on_kernel_path(w: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tenso
         and scale_out.device == q_out.device
         and w.dim() == 2
         and w.numel() > 0
-        and w.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and triton_available()
+        and w.dtype in KERNEL_INPUT_DTYPES
+        and _kernels() is not None
     )
+
+
+def _current_device_is(device: torch.device):
+    """Triton launches on the current device: make it the outputs' one (no context switch when it already is)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -108,7 +116,8 @@ def _check_finite_before_write(w: torch.Tensor) -> None:
 
 def _prepare_input(w: torch.Tensor, device: torch.device, flag: torch.Tensor | None) -> torch.Tensor:
     """Move ``w`` to the output device (as the reference does) and, without a flag, reject NaN/Inf before writing."""
-    w = w.to(device)
+    if w.device != device:
+        w = w.to(device)
     if flag is None:
         _check_finite_before_write(w)
     else:
@@ -129,7 +138,7 @@ def quantize_blockwise_into(
     nonfinite_flag: torch.Tensor | None = None,
 ) -> None:
     """quant.quantize_blockwise_into, on the Triton kernel when the outputs are on CUDA (see module docstring)."""
-    if not (_on_kernel_path(w, q_out, scale_inv_out) and _triton_quant().supports_block_size(block_size)):
+    if not (_on_kernel_path(w, q_out, scale_inv_out) and _kernels().supports_block_size(block_size)):
         quant.quantize_blockwise_into(w, q_out, scale_inv_out, block_size, scale_format)
         return
     # the reference's checks, in the reference's order (w is known 2-D and block_size valid here)
@@ -138,8 +147,8 @@ def quantize_blockwise_into(
     quant._check_out(scale_inv_out, scale_shape, torch.float32, "scale_inv_out")
     w = _prepare_input(w, q_out.device, nonfinite_flag)
     quant._check_scale_format(scale_format)
-    with torch.cuda.device(q_out.device):
-        _triton_quant().quantize_blockwise_launch(
+    with _current_device_is(q_out.device):
+        _kernels().quantize_blockwise_launch(
             w, q_out, scale_inv_out, tuple(block_size), scale_format == "pow2", nonfinite_flag
         )
 
@@ -159,5 +168,5 @@ def quantize_per_channel_into(
     quant._check_out(scale_out, (w.shape[0],), torch.float32, "scale_out")
     w = _prepare_input(w, q_out.device, nonfinite_flag)
     quant._check_scale_format(scale_format)
-    with torch.cuda.device(q_out.device):
-        _triton_quant().quantize_per_channel_launch(w, q_out, scale_out, scale_format == "pow2", nonfinite_flag)
+    with _current_device_is(q_out.device):
+        _kernels().quantize_per_channel_launch(w, q_out, scale_out, scale_format == "pow2", nonfinite_flag)

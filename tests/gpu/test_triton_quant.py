@@ -113,7 +113,7 @@ def fp8_grid_values() -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_blockwise_random_shapes(dtype: torch.dtype, fmt: str) -> None:
     gen, seed = fresh_generator()
-    shapes = [random_shape(gen, 1, 700) for _ in range(3)] + [(256, 384), (1, 1), (129, 127)]
+    shapes = [random_shape(gen, 1, 700) for _ in range(2)] + [(256, 384), (1, 1), (129, 127)]
     for n, k in shapes:
         check_blockwise(random_weight(n, k, dtype, gen).cuda(), quant.DEFAULT_BLOCK_SIZE, fmt, seed)
 
@@ -149,21 +149,20 @@ def test_blockwise_into_row_slices_of_a_parameter(dtype: torch.dtype, fmt: str) 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_blockwise_strided_inputs(dtype: torch.dtype) -> None:
     """Inputs that are views: wider rows, column-major (transposed), every other row and third column."""
     gen, seed = fresh_generator()
     n, k = random_shape(gen, 130, 400)
     base = random_weight(2 * n + 3, 3 * k + 7, dtype, gen).cuda()
-    views = {
-        "wider rows": base[:n, 5 : 5 + k],
-        "transposed": base[:k, :n].t(),
-        "every other row, third column": base[1::2, 2::3][:n, :k],
-    }
-    for name, w in views.items():
+    views = [
+        ("wider rows", base[:n, 5 : 5 + k], "fp32"),
+        ("transposed", base[:k, :n].t(), "pow2"),
+        ("every other row, third column", base[1::2, 2::3][:n, :k], "fp32"),
+    ]
+    for name, w, fmt in views:
         assert not w.is_contiguous(), name
-        for fmt in FORMATS:
-            check_blockwise(w, quant.DEFAULT_BLOCK_SIZE, fmt, seed)
+        check_blockwise(w, quant.DEFAULT_BLOCK_SIZE, fmt, seed)
 
 
 @pytest.mark.gpu
@@ -245,7 +244,7 @@ def test_blockwise_real_layer_shapes() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_per_channel_random_shapes_several_rows_a_program(dtype: torch.dtype, fmt: str) -> None:
     gen, seed = fresh_generator()
-    for _ in range(3):
+    for _ in range(2):
         n = int(torch.randint(1, 700, (1,), generator=gen))
         k = int(torch.randint(257, 513, (1,), generator=gen))  # one tile of 512 columns, 32 rows a program
         check_per_channel(random_weight(n, k, dtype, gen).cuda(), fmt, seed)
@@ -437,13 +436,13 @@ def test_validation_errors_match_the_reference_on_cuda() -> None:
 
 
 @triton.jit
-def _division_mismatch_kernel(out_ptr, S_BLOCK: tl.constexpr):
+def _division_mismatch_kernel(out_ptr, S_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
     """Count pairs where the kernel's quotient differs from div.rn: all 128 BF16 significands x S_BLOCK scales."""
     mantissa = tl.program_id(0) * S_BLOCK + tl.arange(0, S_BLOCK)
     scale = (mantissa | 0x3F800000).to(tl.float32, bitcast=True)[None, :]  # every float32 significand in [1, 2)
     x = ((tl.arange(0, 128) << 16) | 0x3F800000).to(tl.float32, bitcast=True)[:, None]  # every BF16 one in [1, 2)
     want = tl.math.div_rn(x, scale)
-    got = triton_quant._clamped_quotient(x, scale, triton_quant._reciprocal(scale))
+    got = triton_quant._clamped_quotient(x, scale, triton_quant._reciprocal(scale), FP8_MAX)
     differ = want.to(tl.int32, bitcast=True) != got.to(tl.int32, bitcast=True)
     tl.atomic_add(out_ptr, tl.sum(differ.to(tl.int32)))
 
@@ -458,7 +457,7 @@ def test_reciprocal_division_is_correctly_rounded_for_every_bf16_input() -> None
     """
     s_block = 1024
     mismatches = torch.zeros(1, dtype=torch.int32, device="cuda")
-    _division_mismatch_kernel[(2**23 // s_block,)](mismatches, S_BLOCK=s_block, num_warps=8)
+    _division_mismatch_kernel[(2**23 // s_block,)](mismatches, S_BLOCK=s_block, FP8_MAX=quant.FP8_MAX, num_warps=8)
     assert int(mismatches.item()) == 0
 
 
@@ -476,3 +475,19 @@ def test_ptx_uses_correctly_rounded_division_and_conversions() -> None:
         assert "div.full.f32" not in ptx and "div.approx" not in ptx
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
         assert "cvt.rn.bf16" in ptx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp32", "pow2"])
+def test_reference_is_device_independent(fmt):
+    """quant.py on CUDA gives the same bits as on CPU (torch rewrites `tensor / python_float` as a reciprocal
+    multiplication on CUDA; the reference divides by a tensor to keep true division)."""
+    w = torch.randn(1000, 700, dtype=torch.bfloat16) * 3
+    q_cpu, s_cpu = quant.quantize_blockwise(w, scale_format=fmt)
+    q_gpu, s_gpu = quant.quantize_blockwise(w.cuda(), scale_format=fmt)
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+    assert torch.equal(s_gpu.cpu(), s_cpu)
+    q_cpu, s_cpu = quant.quantize_per_channel(w, scale_format=fmt)
+    q_gpu, s_gpu = quant.quantize_per_channel(w.cuda(), scale_format=fmt)
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+    assert torch.equal(s_gpu.cpu(), s_cpu)
