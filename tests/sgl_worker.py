@@ -141,7 +141,34 @@ def scenario_leak(runner, extra: dict) -> dict:
     return {"live_tensors": counts, "ptrs_before": ptrs_before, "ptrs_after": pointers(model)}
 
 
-SCENARIOS = {"load": scenario_load, "updates": scenario_updates, "leak": scenario_leak}
+def scenario_device_failure(runner, extra: dict) -> dict:
+    """A failure after writing started (simulated device error in the 3rd quantized write), then a full update."""
+    import sglang_fp8rl.layers.linear as linear
+    from sglang_fp8rl.weight_sync.update import engine_state
+
+    model = runner.torch_runner.model
+    updater = _updater(runner)
+    request = torch.load(extra["requests"], weights_only=False)[0]["tensors"]
+    real = linear.quantize_rows_into_layer
+    calls = {"n": 0}
+
+    def failing(layer, w, dst_rows):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated CUDA error: an illegal memory access was encountered")
+        return real(layer, w, dst_rows)
+
+    linear.quantize_rows_into_layer = failing
+    first = updater.update_weights_from_tensor(request)
+    state_after_failure = {"consistent": engine_state().consistent, "reason": engine_state().inconsistent_reason}
+    linear.quantize_rows_into_layer = real
+    second = updater.update_weights_from_tensor(request)
+    return {"first": first, "state_after_failure": state_after_failure, "second": second,
+            "consistent_after_second": engine_state().consistent, "final_params": snapshot(model)}
+
+
+SCENARIOS = {"load": scenario_load, "updates": scenario_updates, "leak": scenario_leak,
+             "device_failure": scenario_device_failure}
 
 
 def main() -> None:

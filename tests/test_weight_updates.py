@@ -108,6 +108,8 @@ def bad_requests(models) -> list[tuple[str, dict, str]]:
     nan[5, 7] = float("nan")
     inf = w1["model.norm.weight"].clone()
     inf[3] = float("inf")
+    overflow = w1[k].float()
+    overflow[1, 2] = 3.4e38  # finite in FP32, Inf once rounded to BF16
     truncated = bucket([good, (k, w1[k])])
     truncated["flattened_tensor"] = truncated["flattened_tensor"][:-64]
     return [
@@ -117,8 +119,9 @@ def bad_requests(models) -> list[tuple[str, dict, str]]:
          "model.norm.weight"),
         ("wrong dtype int", {"tensors": [good, (k, w1[k].to(torch.int32))]}, "dtype torch.int32 is not accepted"),
         ("fp8 dtype", {"tensors": [good, (k, w1[k].to(torch.float8_e4m3fn))]}, "is not accepted"),
-        ("nan", {"tensors": [good, (k, nan)]}, "contains NaN/Inf (first at index [5, 7])"),
-        ("inf in a bf16 param", {"tensors": [good, ("model.norm.weight", inf)]}, "contains NaN/Inf (first at index [3])"),
+        ("nan", {"tensors": [good, (k, nan)]}, "contains NaN/Inf in BF16 (first at index [5, 7])"),
+        ("inf in a bf16 param", {"tensors": [good, ("model.norm.weight", inf)]}, "contains NaN/Inf in BF16 (first at index [3])"),
+        ("fp32 overflowing bf16", {"tensors": [good, (k, overflow)]}, "contains NaN/Inf in BF16 (first at index [1, 2])"),
         ("duplicate", {"tensors": [good, good]}, "appears more than once"),
         ("fused name", {"tensors": [good, ("model.layers.0.self_attn.qkv_proj.weight",
                                            torch.cat([w1[good[0]], w1[k], w1[k]]))]}, "not accepted"),
@@ -154,7 +157,7 @@ def test_disk_update_equivalence_and_rejection(models, tmp_path):
     out = run_requests(models, "disk", [{"kind": "disk", "path": str(tmp_path / "bad")},
                                         {"kind": "disk", "path": str(d / "w1")}])
     (ok_bad, msg_bad), (ok_good, msg_good) = out["answers"]
-    assert not ok_bad and "model.layers.2.mlp.down_proj.weight: contains NaN/Inf" in msg_bad
+    assert not ok_bad and "model.layers.2.mlp.down_proj.weight: contains NaN/Inf in BF16" in msg_bad
     assert_same_params(out["params_after"][0], models["cold_w0"]["params"])
     assert ok_good, msg_good
     assert_same_params(out["final_params"], models["cold_w1"]["params"])
@@ -171,3 +174,59 @@ def test_200_updates_do_not_grow_live_tensors(models):
     first, last = out["live_tensors"]
     assert last <= first, out["live_tensors"]
     assert out["ptrs_before"] == out["ptrs_after"]
+
+
+def test_failure_after_writing_started_marks_engine_inconsistent(models):
+    """A device error in the middle of applying an update is reported as a partial update (not as 'nothing was
+    written'), the engine state says inconsistent, and the next complete update restores a consistent model
+    bit-identical to a cold load."""
+    d = models["dir"]
+    path = str(d / "fail.req.pt")
+    torch.save([{"tensors": list(models["w1"].items())}], path)
+    out = run_worker("device_failure", str(d / "w0"), str(d / "fail.out.pt"), *QUANT, extra={"requests": path})
+    ok, message = out["first"]
+    assert not ok
+    assert "failed after writing started" in message and "mix of old and new weights" in message
+    assert "nothing was written" not in message
+    assert out["state_after_failure"]["consistent"] is False
+    assert "simulated CUDA error" in out["state_after_failure"]["reason"]
+    assert out["second"][0] and out["consistent_after_second"]
+    assert_same_params(out["final_params"], models["cold_w1"]["params"])
+
+
+def test_generation_refused_while_inconsistent(monkeypatch):
+    """While the engine is inconsistent, a generate request is finished with an error (Req.set_finish_with_abort,
+    SGLang's own abort path) and a health-check request gets no answer; when consistent, requests pass untouched.
+    The Scheduler and Req need a CUDA/TP world, so a queue and a request stand-in are used here."""
+    from sglang_fp8rl.weight_sync import engine_hooks, update
+
+    class Recv:
+        def __init__(self, rid):
+            self.rid = rid
+
+    class QueuedReq:
+        def __init__(self, rid):
+            self.rid, self.abort_message = rid, None
+
+        def set_finish_with_abort(self, message):
+            self.abort_message = message
+
+    class SchedulerLike:
+        def __init__(self):
+            self.waiting_queue = []
+
+    def original(self, recv):
+        self.waiting_queue.append(QueuedReq(recv.rid))
+
+    handle = engine_hooks._wrap_generate(original)
+    sched = SchedulerLike()
+    handle(sched, Recv("ok-1"))
+    assert sched.waiting_queue[-1].abort_message is None
+
+    monkeypatch.setattr(update, "_STATE", update.EngineState(consistent=False, inconsistent_reason="update #7 failed"))
+    handle(sched, Recv("r-2"))
+    aborted = sched.waiting_queue[-1]
+    assert aborted.rid == "r-2" and "refusing to serve" in aborted.abort_message and "update #7" in aborted.abort_message
+    queued = len(sched.waiting_queue)
+    handle(sched, Recv("HEALTH_CHECK_abc"))
+    assert len(sched.waiting_queue) == queued

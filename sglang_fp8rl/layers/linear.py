@@ -13,6 +13,8 @@ Both are allocated once in ``create_weights`` and only ever written in place (``
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -27,7 +29,7 @@ from sglang.srt.layers.parameter import (
 )
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 
-from sglang_fp8rl.kernels.dispatch import quantize_blockwise_into, quantize_per_channel_into
+from sglang_fp8rl.kernels.dispatch import new_nonfinite_flag, quantize_blockwise_into, quantize_per_channel_into
 from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision, choose_scheme
 from sglang_fp8rl.quant import (
     FP8_DTYPE,
@@ -41,6 +43,10 @@ from sglang_fp8rl.weight_sync.sharding import ShardPlacement, placement_for_laye
 
 if TYPE_CHECKING:
     from sglang_fp8rl.layers.config import Fp8OnlineBlockwiseConfig
+
+# attribute of our FP8 parameters holding a loader twin that validates an incoming tensor without writing
+# (used by the weight-update dry run); it returns the owning layer's prefix
+CHECK_ATTR = "fp8rl_check"
 
 # SGLang's dummy loader draws weights from U(-1e-3, 1e-3); never-loaded layers get the same distribution in BF16.
 DUMMY_WEIGHT_RANGE = 1e-3
@@ -78,19 +84,45 @@ def shard_names(layer: torch.nn.Module, n_shards: int) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------------
 # writing quantized rows
 
+# set while a validated weight update is applied: the quantizers then skip their own NaN/Inf pre-read (the update
+# already checked every tensor) and raise a device flag instead, checked once per update
+_PREVALIDATED_FLAG: contextvars.ContextVar[Optional[torch.Tensor]] = contextvars.ContextVar(
+    "fp8rl_prevalidated_flag", default=None
+)
+
+
+@contextlib.contextmanager
+def prevalidated_writes(device: torch.device):
+    """Inside this block, quantizer calls on ``device`` (CUDA) use one shared non-finite flag instead of a pre-read."""
+    flag = new_nonfinite_flag(device) if device.type == "cuda" else None
+    token = _PREVALIDATED_FLAG.set(flag)
+    try:
+        yield flag
+    finally:
+        _PREVALIDATED_FLAG.reset(token)
+
+
+def _flag_for(device: torch.device) -> Optional[torch.Tensor]:
+    flag = _PREVALIDATED_FLAG.get()
+    return flag if flag is not None and flag.device == device else None
+
 
 def quantize_rows_into_layer(layer: torch.nn.Module, w: torch.Tensor, dst_rows: slice) -> None:
     """Quantize ``w`` (rows ``dst_rows`` of the local weight, full K_local) straight into the FP8 weight and scale."""
     state = layer._fp8rl
     weight = layer.weight.data
     w = w.to(torch.bfloat16).to(weight.device)  # round on the source device: half the bytes to move
+    flag = _flag_for(weight.device)
     if state.is_block:
         rows = scale_rows(dst_rows, state.block_size[0], weight.shape[0])
         quantize_blockwise_into(
-            w, weight[dst_rows], layer.weight_scale_inv.data[rows], state.block_size, state.scale_format
+            w, weight[dst_rows], layer.weight_scale_inv.data[rows], state.block_size, state.scale_format,
+            nonfinite_flag=flag,
         )
     else:
-        quantize_per_channel_into(w, weight[dst_rows], layer.weight_scale.data[dst_rows], state.scale_format)
+        quantize_per_channel_into(
+            w, weight[dst_rows], layer.weight_scale.data[dst_rows], state.scale_format, nonfinite_flag=flag
+        )
     state.rows_loaded += dst_rows.stop - dst_rows.start
 
 
@@ -104,13 +136,15 @@ def check_incoming_shape(layer: torch.nn.Module, placement: ShardPlacement, load
         )
 
 
-def load_weight_shard(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
-                      loaded_shard_id=None) -> None:
-    """Weight loader of our FP8 ``weight``: take this rank's slice of a full HF tensor and quantize it in place.
+def check_weight_shard(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
+                       loaded_shard_id=None) -> str:
+    """Everything :func:`load_weight_shard` checks, without writing; returns the layer's prefix."""
+    placement_for_incoming(layer, loaded_weight, loaded_shard_id)
+    return layer._fp8rl.prefix
 
-    Placement (TP narrowing, KV-head replication, q/k/v and gate/up offsets) comes from
-    :mod:`sglang_fp8rl.weight_sync.sharding`, whose helpers are tested against SGLang's own loaders.
-    """
+
+def placement_for_incoming(layer: torch.nn.Module, loaded_weight: torch.Tensor, loaded_shard_id) -> ShardPlacement:
+    """This rank's placement of an incoming tensor, after checking its dtype and full shape."""
     if not loaded_weight.is_floating_point() or loaded_weight.dtype == FP8_DTYPE:
         raise ValueError(
             f"{layer._fp8rl.prefix}.weight: expected a BF16/FP16/FP32 tensor, got {loaded_weight.dtype} "
@@ -118,6 +152,17 @@ def load_weight_shard(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_
         )
     placement = placement_for_layer(layer, loaded_shard_id)
     check_incoming_shape(layer, placement, loaded_weight, loaded_shard_id)
+    return placement
+
+
+def load_weight_shard(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id=None) -> None:
+    """Weight loader of our FP8 ``weight``: take this rank's slice of a full HF tensor and quantize it in place.
+
+    Placement (TP narrowing, KV-head replication, q/k/v and gate/up offsets) comes from
+    :mod:`sglang_fp8rl.weight_sync.sharding`, whose helpers are tested against SGLang's own loaders.
+    """
+    placement = placement_for_incoming(layer, loaded_weight, loaded_shard_id)
     quantize_rows_into_layer(layer, loaded_weight[placement.src_rows, placement.src_cols], placement.dst_rows)
 
 
@@ -195,6 +240,7 @@ class Fp8OnlineBlockwiseLinearMethod(LinearMethodBase):
             output_dim=0,
             weight_loader=functools.partial(load_weight_shard, layer),
         )
+        setattr(weight, CHECK_ATTR, functools.partial(check_weight_shard, layer))
         layer.register_parameter("weight", weight)
         if decision.scheme is Scheme.BLOCK:
             scale = BlockQuantScaleParameter(

@@ -6,6 +6,9 @@
   ``(False, message)`` answers with an accurate message, validate flattened-bucket metadata before SGLang slices the
   buffer, and validate a disk checkpoint in a first streaming pass before SGLang's own pass writes anything.
 * ``Scheduler.get_internal_state``: add our telemetry under ``"fp8rl"`` (so it appears in ``/get_server_info``).
+* ``Scheduler.handle_generate_request``: while an update failed after writing started (weights are a mix), every
+  generation request is finished with an error and health-check requests get no answer (so ``/health`` and
+  ``/health_generate`` report 503) until a complete update succeeds.
 
 Every patch is idempotent and leaves models that do not use this package untouched.
 """
@@ -188,6 +191,38 @@ def _wrap_internal_state(original: Callable) -> Callable:
     return get_internal_state
 
 
+def refusal_message() -> str:
+    """What a generation request gets while the weights are a mix of two updates."""
+    return (
+        "[fp8rl] refusing to serve: the engine holds a partially applied weight update "
+        f"({engine_state().inconsistent_reason}); send a complete weight update first"
+    )
+
+
+def _wrap_generate(original: Callable) -> Callable:
+    def handle_generate_request(self, recv_req):
+        if engine_state().consistent:
+            return original(self, recv_req)
+        from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+
+        if str(recv_req.rid).startswith(HEALTH_CHECK_RID_PREFIX):
+            return None  # no answer: /health and /health_generate time out and report 503
+        result = original(self, recv_req)
+        abort_queued_request(self.waiting_queue, recv_req.rid, refusal_message())
+        return result
+
+    return handle_generate_request
+
+
+def abort_queued_request(queue: list, rid: str, message: str) -> bool:
+    """Finish a just-queued request with an error instead of running it (SGLang's own abort path)."""
+    for req in reversed(queue):
+        if req.rid == rid:
+            req.set_finish_with_abort(message)
+            return True
+    return False
+
+
 def install_weight_update_hooks() -> None:
     """Install all engine patches (idempotent)."""
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -204,6 +239,7 @@ def install_weight_update_hooks() -> None:
         logger.warning("[fp8rl] /get_server_info telemetry unavailable: %s", e)
         return
     _patch(Scheduler, "get_internal_state", _wrap_internal_state)
+    _patch(Scheduler, "handle_generate_request", _wrap_generate)
 
 
 __all__ = ["install_weight_update_hooks", "telemetry", "check_bucket_metadata", "GuardedLoadWeights"]

@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from sglang_fp8rl.layers.linear import check_incoming_shape, layer_state
+from sglang_fp8rl.kernels.dispatch import check_nonfinite_flag
+from sglang_fp8rl.layers.linear import CHECK_ATTR, layer_state, prevalidated_writes
 from sglang_fp8rl.quant import FP8_DTYPE
-from sglang_fp8rl.weight_sync.sharding import placement_for_layer
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +118,12 @@ def check_tensor(name: str, tensor: torch.Tensor) -> None:
     if tensor.numel() == 0:
         return
     low, high = torch.aminmax(tensor)  # NaN propagates into both; +-inf shows up in one of them
-    if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
-        bad = (~torch.isfinite(tensor)).nonzero()[0].tolist()
-        raise UpdateRejected(f"{name}: contains NaN/Inf (first at index {bad}); nothing was written")
+    # the engine holds BF16 (and quantizes from BF16): an FP32 value past BF16's range is Inf there, so check the
+    # rounded extremes (rounding is monotone, so they bound every rounded element)
+    ends = torch.stack((low, high)).to(torch.bfloat16)
+    if not bool(torch.isfinite(ends).all()):
+        bad = (~torch.isfinite(tensor.to(torch.bfloat16))).nonzero()[0].tolist()
+        raise UpdateRejected(f"{name}: contains NaN/Inf in BF16 (first at index {bad}); nothing was written")
 
 
 def check_unique(names: Sequence[str]) -> None:
@@ -148,18 +151,13 @@ class DryRunRecord:
         return bool(self.fp8_layers) or self.bf16_params > 0
 
 
-def _check_fp8_weight(layer: torch.nn.Module, loaded: torch.Tensor, shard_id) -> None:
-    """Everything our FP8 loader would check, without writing."""
-    placement = placement_for_layer(layer, shard_id)
-    check_incoming_shape(layer, placement, loaded, shard_id)
-
-
-def _load_into_scratch(real_loader: Callable, param: torch.nn.Parameter, loaded: torch.Tensor, *args) -> None:
-    """Run SGLang's own loader of a BF16 parameter into a scratch tensor: its checks run, the parameter is untouched."""
+def _load_into_scratch(real_loader: Callable, param: torch.nn.Parameter, loaded: torch.Tensor, *args,
+                       **kwargs) -> None:
+    """Run SGLang's own loader of a parameter into a scratch tensor: its checks run, the parameter is untouched."""
     original = param.data
     param.data = torch.empty_like(original)
     try:
-        real_loader(param, loaded, *args)
+        real_loader(param, loaded, *args, **kwargs)
     finally:
         param.data = original
 
@@ -182,18 +180,17 @@ def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunRecord]:
     """Replace every parameter's loader by a checker that records and validates but never writes."""
     from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-    fp8_layers = {id(m.weight): m for m in model.modules() if layer_state(m) is not None}
     record = DryRunRecord()
     saved: dict[int, tuple[torch.nn.Parameter, Optional[Callable]]] = {}
 
     def make_checker(param: torch.nn.Parameter, real: Callable) -> Callable:
-        def checker(p: torch.nn.Parameter, loaded: torch.Tensor, *args) -> None:
-            layer = fp8_layers.get(id(p))
-            if layer is not None:
-                _check_fp8_weight(layer, loaded, args[0] if args else None)
-                record.fp8_layers.append(layer._fp8rl.prefix)
+        def checker(p: torch.nn.Parameter, loaded: torch.Tensor, *args, **kwargs) -> None:
+            # our FP8 parameters carry a side-effect-free twin of their loader; it returns the layer's prefix
+            check = p.__dict__.get(CHECK_ATTR)
+            if check is not None:
+                record.fp8_layers.append(check(p, loaded, *args, **kwargs))
             else:
-                _load_into_scratch(real, p, loaded, *args)
+                _load_into_scratch(real, p, loaded, *args, **kwargs)
                 record.bf16_params += 1
 
         return checker
@@ -264,6 +261,11 @@ def model_layer_scheme(model: torch.nn.Module, prefix: str) -> str:
     return cache[prefix]
 
 
+def _model_device(model: torch.nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
 def _synchronize(model: torch.nn.Module) -> None:
     param = next(model.parameters(), None)
     if param is not None and param.is_cuda:
@@ -299,7 +301,10 @@ class GuardedLoadWeights:
         t1 = time.perf_counter()
         stats.validate_s = t1 - t0
         try:
-            self.original(to_load)
+            with prevalidated_writes(_model_device(self.model)) as flag:
+                self.original(to_load)
+            if flag is not None:
+                check_nonfinite_flag(flag, dict(to_load))  # cannot trip after validation; defence in depth
             _synchronize(self.model)
         except (RuntimeError, ValueError, AssertionError) as e:
             _STATE.consistent = False
