@@ -97,3 +97,77 @@ def run_worker(scenario: str, model_dir: str, out_path: str, *server_args: str, 
     result = torch.load(out_path, weights_only=False)
     result["_log"] = res.stdout + res.stderr
     return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# tiny Qwen3-MoE (every decoder layer sparse)
+
+# moe_intermediate_size 256 (= 2 x 128): every expert is blockwise at TP 1
+TINY_MOE = dict(vocab_size=320, hidden_size=256, moe_intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=128, num_experts=4, num_experts_per_tok=2)
+# 192 is not a multiple of 128: the experts fall back to per-channel at TP 1
+TINY_MOE_FALLBACK = dict(TINY_MOE, moe_intermediate_size=192)
+
+
+def random_moe_state_dict(dims: dict, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """HF-named BF16 weights of a Qwen3-MoE model: attention as Qwen3, a router and per-expert gate/up/down."""
+    dense = dict(dims, intermediate_size=dims["moe_intermediate_size"])
+    sd = {k: v for k, v in random_state_dict(dense, seed, scale).items() if ".mlp." not in k}
+    g = torch.Generator().manual_seed(seed + 1000)
+    h, i, n = dims["hidden_size"], dims["moe_intermediate_size"], dims["num_experts"]
+
+    def randn(*shape, s=scale):
+        return (torch.randn(*shape, generator=g) * s).to(torch.bfloat16)
+
+    for layer in range(dims["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp."
+        sd[p + "gate.weight"] = randn(n, h, s=0.5)
+        for e in range(n):
+            sd.update({p + f"experts.{e}.gate_proj.weight": randn(i, h), p + f"experts.{e}.up_proj.weight": randn(i, h),
+                       p + f"experts.{e}.down_proj.weight": randn(h, i)})
+    return sd
+
+
+def write_moe_checkpoint(out: str, dims: dict, seed: int, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
+    """Write a Qwen3MoeForCausalLM config.json, model.safetensors and a tokenizer; returns the state dict written."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3MoeConfig
+
+    os.makedirs(out, exist_ok=True)
+    config = Qwen3MoeConfig(max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="bfloat16",
+                            intermediate_size=dims["moe_intermediate_size"], decoder_sparse_step=1, mlp_only_layers=[],
+                            norm_topk_prob=True, **dims)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(out)
+    sd = state_dict if state_dict is not None else random_moe_state_dict(dims, seed)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    write_tokenizer(out, dims["vocab_size"])
+    return sd
+
+
+def run_tp_workers(scenario: str, model_dir: str, out_prefix: str, tp_size: int, *server_args: str,
+                   extra: dict | None = None, timeout: int = 600) -> list[dict]:
+    """Run one scenario as ``tp_size`` concurrent worker processes (one per TP rank, gloo on CPU)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, SGLANG_CPU_OMP_THREADS_BIND="|".join(str(r % os.cpu_count()) for r in range(tp_size)))
+    env.pop("FP8RL_OPTIONS", None)
+    procs = []
+    for rank in range(tp_size):
+        cmd = [sys.executable, WORKER, scenario, model_dir, f"{out_prefix}.rank{rank}.pt",
+               json.dumps({**(extra or {}), "tp_rank": rank}), *server_args, "--tp-size", str(tp_size),
+               "--nccl-port", str(port)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    results = []
+    for rank, proc in enumerate(procs):
+        log, _ = proc.communicate(timeout=timeout)
+        if proc.returncode != 0:
+            raise AssertionError(f"TP rank {rank} of {scenario} failed (rc={proc.returncode}):\n{log[-8000:]}")
+        result = torch.load(f"{out_prefix}.rank{rank}.pt", weights_only=False)
+        result["_log"] = log
+        results.append(result)
+    return results

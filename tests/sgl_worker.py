@@ -24,7 +24,7 @@ import torch  # noqa: E402
 PROMPTS = [[5, 17, 33, 2, 99, 120, 7], [250, 3, 3, 64, 11]]
 
 
-def build_runner(model_dir: str, server_args: list[str]):
+def build_runner(model_dir: str, server_args: list[str], tp_rank: int = 0):
     """SGLang's own CPU ModelRunner for MODEL_DIR (torch_native attention, no CUDA graphs)."""
     from sglang.srt.plugins import load_plugins
 
@@ -42,7 +42,7 @@ def build_runner(model_dir: str, server_args: list[str]):
         *server_args,
     ])
     _set_envs_and_config(sa)
-    bench_runner, _ = load_model(sa, PortArgs.init_new(sa), 0, 0)
+    bench_runner, _ = load_model(sa, PortArgs.init_new(sa), tp_rank, tp_rank)
     return bench_runner
 
 
@@ -173,7 +173,7 @@ SCENARIOS = {"load": scenario_load, "updates": scenario_updates, "leak": scenari
 
 def main() -> None:
     scenario, model_dir, out_path, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-    runner = build_runner(model_dir, sys.argv[5:])
+    runner = build_runner(model_dir, sys.argv[5:], extra.get("tp_rank", 0))
     with torch.no_grad():
         result = SCENARIOS[scenario](runner, extra)
     torch.save(result, out_path)

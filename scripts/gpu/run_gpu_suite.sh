@@ -13,7 +13,9 @@
 #   moe       scripts/bench_rollout.py --moe (Qwen3-30B-A3B shapes, bs 32 64, out 512, mem 0.88) (~6-9 min: own call)
 #   server    scripts/gpu/check_server.py on qwen3-small (launch_server + weight updates over HTTP)
 #   quant     scripts/bench_quant.py --json $WORK/bench_quant.json (quantization kernel micro-benchmark)
-#   update    $UPDATE_SCRIPT --out $WORK/update (default scripts/bench_weight_update.py; skipped if absent)
+#   update    $UPDATE_SCRIPT (default scripts/bench_update.py): full-model update of Qwen3-8B shapes, BF16 vs
+#             fp8_online_blockwise server, by tensor (CUDA IPC) and from disk; UPDATE_ARGS e.g. "--model qwen3-small"
+#             or "--skip-disk"                                                    (~7-9 min: own call)
 # Expected times are estimates from shared/gpu/README.md's measurements (server import 24-34 s, bench_one_batch
 # 40-110 s per config), not measured with these scripts.
 #
@@ -33,7 +35,7 @@
 # moe_results.json, profile_top_kernels.txt; the first 6 that exist, the rest only inside the tgz).
 # stdout ends with the summary (stage table + each stage's own table).
 # Env: OUT, WORK, DEADLINE (s from start; 570), T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
-#      MOE_ARGS, PROFILE_ARGS, ACC_ARGS (extra args per script), UPDATE_SCRIPT.
+#      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, UPDATE_ARGS (extra args per script), UPDATE_SCRIPT.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 T0=$(date +%s)
@@ -121,9 +123,11 @@ for st in "$@"; do
     quant)
       run_stage quant 60 240 $PY scripts/bench_quant.py --json "$WORK/bench_quant.json" ;;
     update)
-      us=${UPDATE_SCRIPT:-scripts/bench_weight_update.py}
+      us=${UPDATE_SCRIPT:-scripts/bench_update.py}
       if [ -f "$us" ]; then
-        run_stage update 60 400 $PY "$us" --out "$WORK/update"
+        $PY scripts/gpu/make_models.py "$MODELS" qwen3-8b qwen3-small >/dev/null
+        l=$(left); run_stage update 120 560 $PY "$us" --model-dir "$MODELS" --out "$WORK/update" \
+          --deadline-s $(( l - 30 )) ${UPDATE_ARGS:-}
       else
         say "update: $us not in this checkout, skipped"; record update skipped 0 "$us absent"
       fi ;;
@@ -155,7 +159,8 @@ SUM=$WORK/suite_summary_$STAMP.md
 cp "$SUM" "$OUT/suite_summary.md"
 NCOPY=0
 for pair in rollout/results.json:rollout_results.json accuracy/accuracy.json:accuracy.json accuracy/accuracy.png:accuracy.png \
-            server/check_server.json:check_server.json bench_quant.json:bench_quant.json moe/results.json:moe_results.json profile/profile_top_kernels.txt:profile_top_kernels.txt; do
+            server/check_server.json:check_server.json bench_quant.json:bench_quant.json moe/results.json:moe_results.json profile/profile_top_kernels.txt:profile_top_kernels.txt \
+            update/update_results.json:update_results.json; do
   src=$WORK/${pair%%:*}
   if [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && [ "$NCOPY" -lt 6 ]; then  # $OUT returns at most 8 files
     cp "$src" "$OUT/${pair##*:}" && NCOPY=$(( NCOPY + 1 ))
