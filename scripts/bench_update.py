@@ -107,6 +107,8 @@ def sum_bucket_stats(stats: list[dict]) -> dict[str, Any]:
         out["validate_s"] += s.get("validate_s", 0.0)
         out["apply_s"] += s.get("apply_s", 0.0)
         out["bf16_params_written"] += s.get("bf16_params_written", 0)
+        if s.get("peak_extra_bytes") is not None:  # server-side allocator peak (exact, per bucket)
+            out["server_peak_extra_bytes"] = max(out.get("server_peak_extra_bytes", 0), s["peak_extra_bytes"])
         for k, v in (s.get("fp8_layers_written") or {}).items():
             out["fp8_layers_written"][k] = out["fp8_layers_written"].get(k, 0) + v
     return out
@@ -124,8 +126,8 @@ def render(res: dict) -> str:
              f"{res['payload']['largest_bytes'] / GB:.3f} GB; d2d copy {_fmt(res.get('d2d_copy_GBps'), '.0f')} GB/s "
              "(read + write)", "",
              "| engine | path | warm-up s | timed s | mean s | payload GB/s | peak extra first GB | "
-             "peak extra timed GB | validate s | apply s | quantizer GB/s (x d2d) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "peak extra timed GB | server peak extra GB | validate s | apply s | quantizer GB/s (x d2d) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for eng in ("bf16", "fp8"):
         e = res.get("engines", {}).get(eng, {})
         for path in ("tensor", "disk"):
@@ -133,7 +135,7 @@ def render(res: dict) -> str:
             if not p:
                 continue
             if p.get("status") and p.get("status") != "ok" and not p.get("timed_s"):
-                lines.append(f"| {eng} | {path} | {p['status']} | | | | | | | | |")
+                lines.append(f"| {eng} | {path} | {p['status']} | | | | | | | | | |")
                 continue
             tele = p.get("server_telemetry") or {}
             qbw = p.get("quantizer_GBps")
@@ -142,7 +144,8 @@ def render(res: dict) -> str:
             lines.append(
                 f"| {eng} | {path} | {_fmt(p.get('warmup_s'))} | {timed} | {_fmt(p.get('mean_s'))} | "
                 f"{_fmt(p.get('payload_GBps'), '.1f')} | {_fmt(_gb(p.get('peak_extra_first_bytes')), '.3f')} | "
-                f"{_fmt(_gb(p.get('peak_extra_timed_bytes')), '.3f')} | {_fmt(tele.get('validate_s'), '.3f')} | "
+                f"{_fmt(_gb(p.get('peak_extra_timed_bytes')), '.3f')} | "
+                f"{_fmt(_gb(tele.get('server_peak_extra_bytes')), '.3f')} | {_fmt(tele.get('validate_s'), '.3f')} | "
                 f"{_fmt(tele.get('apply_s'), '.3f')} | {qcol} |")
     lines.append("")
     for t in res.get("targets", []):

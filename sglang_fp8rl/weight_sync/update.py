@@ -63,6 +63,7 @@ class UpdateStats:
     apply_s: float = 0.0
     fp8_layers_written: dict[str, int] = dataclasses.field(default_factory=dict)
     bf16_params_written: int = 0
+    peak_extra_bytes: Optional[int] = None  # CUDA: peak allocated during validate+apply minus allocated before
 
     def summary(self) -> str:
         """The one log line of an update."""
@@ -73,6 +74,8 @@ class UpdateStats:
             f"[fp8rl] weight update #{self.index}: {self.tensors} tensors, {self.bytes / 2**20:.1f} MiB, "
             f"validate {self.validate_s * 1e3:.1f} ms, quantize+write {self.apply_s * 1e3:.1f} ms; "
             f"FP8 layers re-quantized: {layers}; BF16 params written: {self.bf16_params_written}"
+            + (f"; peak extra GPU memory {self.peak_extra_bytes / 2**20:.1f} MiB" if self.peak_extra_bytes is not None
+               else "")
             + (f"; ignored: {self.ignored}" if self.ignored else "")
         )
 
@@ -261,6 +264,14 @@ def model_layer_scheme(model: torch.nn.Module, prefix: str) -> str:
     return cache[prefix]
 
 
+def _start_peak_tracking(device: torch.device) -> Optional[int]:
+    """On CUDA, reset the allocator's peak counter and return the bytes allocated now (None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
@@ -291,6 +302,8 @@ class GuardedLoadWeights:
         stats = UpdateStats(index=_STATE.updates, ok=False, message="")
         stats.tensors = len(named_tensors)
         stats.bytes = sum(t.numel() * t.element_size() for _, t in named_tensors if isinstance(t, torch.Tensor))
+        device = _model_device(self.model)
+        allocated_before = _start_peak_tracking(device)
         t0 = time.perf_counter()
         try:
             to_load = validate_update(self.model, self.original, named_tensors, stats)
@@ -316,6 +329,8 @@ class GuardedLoadWeights:
                 "send a complete update before serving again."
             ) from e
         stats.apply_s = time.perf_counter() - t1
+        if allocated_before is not None:
+            stats.peak_extra_bytes = torch.cuda.max_memory_allocated(device) - allocated_before
         stats.ok = True
         stats.message = "ok"
         _STATE.consistent = True
