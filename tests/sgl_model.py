@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from sglang_fp8rl.demo import random_state_dict, write_tokenizer  # noqa: F401  (shared with the demo)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "sgl_worker.py")
 
@@ -22,50 +24,6 @@ TINY = dict(vocab_size=320, hidden_size=256, intermediate_size=384, num_hidden_l
             num_key_value_heads=1, head_dim=128)
 # an intermediate size that is not a multiple of 128 forces the per-channel fallback already at TP 1
 TINY_FALLBACK = dict(TINY, intermediate_size=320)
-
-
-def write_tokenizer(out: str, vocab_size: int) -> None:
-    """A word-level tokenizer over tokens t0..t{vocab-5} plus specials (SGLang's runner needs one to start)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(vocab_size - 4)}
-    vocab.update({"<unk>": vocab_size - 4, "<s>": vocab_size - 3, "</s>": vocab_size - 2, "<pad>": vocab_size - 1})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>").save_pretrained(out)
-
-
-def random_state_dict(dims: dict, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
-    """HF-named BF16 weights of a Qwen3 model with these dims (norms near 1, linears ~N(0, scale))."""
-    g = torch.Generator().manual_seed(seed)
-    h, i, v = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
-    nh, nkv, hd = dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"]
-
-    def randn(*shape, s=scale):
-        return (torch.randn(*shape, generator=g) * s).to(torch.bfloat16)
-
-    def norm(n):
-        return (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
-
-    sd = {"model.embed_tokens.weight": randn(v, h, s=1.0), "model.norm.weight": norm(h), "lm_head.weight": randn(v, h)}
-    for layer in range(dims["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        sd.update({
-            p + "input_layernorm.weight": norm(h),
-            p + "post_attention_layernorm.weight": norm(h),
-            p + "self_attn.q_proj.weight": randn(nh * hd, h),
-            p + "self_attn.k_proj.weight": randn(nkv * hd, h),
-            p + "self_attn.v_proj.weight": randn(nkv * hd, h),
-            p + "self_attn.o_proj.weight": randn(h, nh * hd),
-            p + "self_attn.q_norm.weight": norm(hd),
-            p + "self_attn.k_norm.weight": norm(hd),
-            p + "mlp.gate_proj.weight": randn(i, h),
-            p + "mlp.up_proj.weight": randn(i, h),
-            p + "mlp.down_proj.weight": randn(h, i),
-        })
-    return sd
 
 
 def write_checkpoint(out: str, dims: dict, seed: int, state_dict: dict | None = None) -> dict[str, torch.Tensor]:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import os
-
 import pytest
 import torch
 from sgl_model import TINY, TINY_FALLBACK, run_worker, write_checkpoint
