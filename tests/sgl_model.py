@@ -70,7 +70,7 @@ TINY_MOE_FALLBACK = dict(TINY_MOE, moe_intermediate_size=192)
 def random_moe_state_dict(dims: dict, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
     """HF-named BF16 weights of a Qwen3-MoE model: attention as Qwen3, a router and per-expert gate/up/down."""
     dense = dict(dims, intermediate_size=dims["moe_intermediate_size"])
-    sd = {k: v for k, v in random_state_dict(dense, seed, scale).items() if ".mlp." not in k}
+    sd = {k: v for k, v in random_state_dict(dense, seed, scale=scale).items() if ".mlp." not in k}
     g = torch.Generator().manual_seed(seed + 1000)
     h, i, n = dims["hidden_size"], dims["moe_intermediate_size"], dims["num_experts"]
 

@@ -27,6 +27,7 @@ class SchemeReport:
 
     def __init__(self) -> None:
         self.decisions: dict[str, SchemeDecision] = {}
+        self.dummy_filled: set[str] = set()  # layers (or MoE layers with experts) never loaded: random values
         self._pending: set[str] = set()
         self.logged = False
 
@@ -35,6 +36,10 @@ class SchemeReport:
         self.decisions[prefix] = decision
         if decision.scheme is not Scheme.BF16:
             self._pending.add(prefix)
+
+    def record_dummy_fill(self, prefix: str) -> None:
+        """A layer got deterministic random values because no weight reached it (--load-format dummy)."""
+        self.dummy_filled.add(prefix)
 
     def mark_processed(self, prefix: str) -> None:
         """Called from process_weights_after_loading; the last quantized layer triggers the summary line."""
@@ -63,11 +68,15 @@ class SchemeReport:
         parts = [f"[fp8rl] {NAME}: linear layers {counts}"]
         for group, prefixes in self.exceptions().items():
             parts.append(f"{group} (x{len(prefixes)})")
+        if self.dummy_filled:
+            parts.append(f"{len(self.dummy_filled)} layers never loaded, filled with dummy values "
+                         "(expected only with --load-format dummy)")
         return "; ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form for telemetry."""
-        return {"counts": self.counts(), "exceptions": {k: len(v) for k, v in self.exceptions().items()}}
+        return {"counts": self.counts(), "exceptions": {k: len(v) for k, v in self.exceptions().items()},
+                "dummy_filled": len(self.dummy_filled)}
 
 
 def layer_index(prefix: str) -> Optional[int]:
@@ -183,8 +192,12 @@ class Fp8OnlineBlockwiseConfig(QuantizationConfig):
                 return UnquantizedLinearMethod()
             return Fp8OnlineBlockwiseLinearMethod(self, prefix)
         if isinstance(layer, FusedMoE):
-            raise NotImplementedError(
-                f"{NAME}: MoE layers ({prefix}) are not supported yet; serve MoE models with --quantization fp8"
-            )
+            from sglang_fp8rl.layers.moe import Fp8OnlineBlockwiseMoEMethod
+
+            reason = bf16_reason(prefix, self.options, self._layers_total())
+            if reason is not None:
+                self.report.record(prefix, SchemeDecision(Scheme.BF16, reason))
+                return None  # FusedMoE then builds SGLang's UnquantizedFusedMoEMethod
+            return Fp8OnlineBlockwiseMoEMethod(self, prefix)
         # embeddings, lm_head, norms, attention (KV cache) stay in the model dtype
         return None

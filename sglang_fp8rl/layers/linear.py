@@ -264,6 +264,7 @@ class Fp8OnlineBlockwiseLinearMethod(LinearMethodBase):
         """Idempotent and pointer-stable: never rebinds ``.data``; fills never-loaded (dummy) layers."""
         if layer._fp8rl.rows_loaded == 0:
             fill_dummy(layer)
+            self.quant_config.report.record_dummy_fill(self.prefix)
         self.quant_config.report.mark_processed(self.prefix)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
