@@ -129,3 +129,46 @@ def run_tp_workers(scenario: str, model_dir: str, out_prefix: str, tp_size: int,
         result["_log"] = log
         results.append(result)
     return results
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# helpers shared by the update tests
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors compared by their bytes (torch.equal on float8 is not bit-exact for NaN encodings)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def assert_same_params(a: dict, b: dict) -> None:
+    """Same parameter names, and every parameter byte-identical."""
+    assert a.keys() == b.keys()
+    for name, value in a.items():
+        assert torch.equal(as_bytes(value), as_bytes(b[name])), name
+
+
+def split_randomly(sd: dict, k: int, seed: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """The state dict in k shuffled requests (fused shards of one layer land in different requests and orders)."""
+    import random
+
+    items = list(sd.items())
+    random.Random(seed).shuffle(items)
+    return [items[i::k] for i in range(k)]
+
+
+def run_update_requests(model_dir: str, work_dir, name: str, requests: list[dict], *server_args: str,
+                        **extra) -> dict:
+    """Load ``model_dir`` and push ``requests`` through SGLang's WeightUpdater in a fresh worker."""
+    path = os.path.join(str(work_dir), f"{name}.req.pt")
+    torch.save(requests, path)
+    return run_worker("updates", model_dir, os.path.join(str(work_dir), f"{name}.out.pt"), *server_args,
+                      extra={"requests": path, **extra})
+
+
+def assert_update_matches_cold_load(out: dict, cold: dict) -> None:
+    """Every answer ok, no pointer moved, parameters and logits bit-identical to a cold load of the new weights."""
+    assert all(ok for ok, _ in out["answers"]), out["answers"]
+    assert out["ptrs_before"] == out["ptrs_after"]
+    assert_same_params(out["final_params"], cold["params"])
+    for got, want in zip(out["logits"], cold["logits"]):
+        assert torch.equal(got, want)

@@ -3,16 +3,19 @@ per-channel fallback, the router left in BF16, update equivalence, pointer stabi
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from sgl_model import (
     TINY_MOE,
     TINY_MOE_FALLBACK,
+    as_bytes,
+    assert_same_params,
+    assert_update_matches_cold_load,
     random_moe_state_dict,
     run_tp_workers,
+    run_update_requests,
     run_worker,
+    split_randomly,
     write_moe_checkpoint,
 )
 
@@ -22,24 +25,6 @@ pytestmark = pytest.mark.slow
 
 QUANT = ("--quantization", "fp8_online_blockwise")
 EXPERTS = "model.layers.{layer}.mlp.experts"
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """FP8 tensors compared by their bytes (torch.equal on float8 is not bit-exact for NaN encodings)."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
-def assert_same_params(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(as_bytes(a[name]), as_bytes(b[name])), name
-
-
-def split_randomly(sd: dict, k: int, seed: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """The state dict in k shuffled requests (gate/up/down of one expert land in different requests)."""
-    items = list(sd.items())
-    random.Random(seed).shuffle(items)
-    return [items[i::k] for i in range(k)]
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +45,7 @@ def models(tmp_path_factory) -> dict:
 
 def run_requests(models: dict, name: str, requests: list[dict], model: str = "w0", **extra) -> dict:
     """Load ``model`` and push ``requests`` through SGLang's WeightUpdater in a fresh worker."""
-    d = models["dir"]
-    path = str(d / f"{name}.req.pt")
-    torch.save(requests, path)
-    return run_worker("updates", str(d / model), str(d / f"{name}.out.pt"), *QUANT, extra={"requests": path, **extra})
+    return run_update_requests(str(models["dir"] / model), models["dir"], name, requests, *QUANT, **extra)
 
 
 def check_experts_match_reference(result: dict, sd: dict, dims: dict, scheme: str) -> None:
@@ -134,11 +116,7 @@ def test_update_equivalence_and_pointers(models):
     parts = split_randomly(models["w1"], 3, seed=1)
     requests = [{"tensors": parts[0]}, {"tensors": [(n, t.float()) for n, t in parts[1]]}, {"tensors": parts[2]}]
     out = run_requests(models, "equiv", requests, params_each=False)
-    assert all(ok for ok, _ in out["answers"]), out["answers"]
-    assert out["ptrs_before"] == out["ptrs_after"]
-    assert_same_params(out["final_params"], models["cold_w1"]["params"])
-    for got, want in zip(out["logits"], models["cold_w1"]["logits"]):
-        assert torch.equal(got, want)
+    assert_update_matches_cold_load(out, models["cold_w1"])
 
 
 def bad_requests(models: dict) -> list[tuple[str, dict, str]]:

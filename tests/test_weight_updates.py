@@ -7,11 +7,19 @@ reach in the scheduler process — with the plugin's engine hooks installed by S
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from sgl_model import TINY, random_state_dict, run_worker, write_checkpoint
+from sgl_model import (
+    TINY,
+    as_bytes,
+    assert_same_params,
+    assert_update_matches_cold_load,
+    random_state_dict,
+    run_update_requests,
+    run_worker,
+    split_randomly,
+    write_checkpoint,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -26,13 +34,6 @@ def bucket(named: list[tuple[str, torch.Tensor]]) -> dict:
     return {"flattened_tensor": b.get_flattened_tensor(), "metadata": b.get_metadata()}
 
 
-def split_randomly(sd: dict, k: int, seed: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """The state dict in k buckets, shuffled (q/k/v and gate/up land in different buckets and orders)."""
-    items = list(sd.items())
-    random.Random(seed).shuffle(items)
-    return [items[i::k] for i in range(k)]
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("upd")
@@ -45,18 +46,7 @@ def models(tmp_path_factory):
 
 
 def run_requests(models, name: str, requests: list[dict], **extra) -> dict:
-    d = models["dir"]
-    path = str(d / f"{name}.req.pt")
-    torch.save(requests, path)
-    return run_worker("updates", str(d / "w0"), str(d / f"{name}.out.pt"), *QUANT,
-                      extra={"requests": path, **extra})
-
-
-def assert_same_params(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name].view(torch.uint8) if a[name].dtype == torch.float8_e4m3fn else a[name],
-                           b[name].view(torch.uint8) if b[name].dtype == torch.float8_e4m3fn else b[name]), name
+    return run_update_requests(str(models["dir"] / "w0"), models["dir"], name, requests, *QUANT, **extra)
 
 
 def test_update_equivalence_buckets_orders_and_paths(models):
@@ -71,11 +61,7 @@ def test_update_equivalence_buckets_orders_and_paths(models):
         {"kind": "bucket", "bucket": bucket(parts[3])},
     ]
     out = run_requests(models, "equiv", requests, params_each=False)
-    assert all(ok for ok, _ in out["answers"]), out["answers"]
-    assert out["ptrs_before"] == out["ptrs_after"]
-    assert_same_params(out["final_params"], models["cold_w1"]["params"])
-    for got, want in zip(out["logits"], models["cold_w1"]["logits"]):
-        assert torch.equal(got, want)
+    assert_update_matches_cold_load(out, models["cold_w1"])
     assert "[fp8rl] weight update #4" in out["_log"]
 
 
@@ -88,9 +74,7 @@ def test_partial_update_changes_exactly_its_rows(models):
     qkv, scale = "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.self_attn.qkv_proj.weight_scale_inv"
     for param in after:
         if param not in (qkv, scale):
-            assert torch.equal(after[param].view(torch.uint8) if after[param].dtype == torch.float8_e4m3fn
-                               else after[param], before[param].view(torch.uint8) if before[param].dtype ==
-                               torch.float8_e4m3fn else before[param]), param
+            assert torch.equal(as_bytes(after[param]), as_bytes(before[param])), param
     changed_rows = (after[qkv].view(torch.uint8) != before[qkv].view(torch.uint8)).any(dim=1).nonzero().flatten()
     assert changed_rows.min() >= 256 and changed_rows.max() < 384 and len(changed_rows) > 100
     assert torch.equal(after[qkv][256:384].view(torch.uint8), models["cold_w1"]["params"][qkv][256:384].view(torch.uint8))
