@@ -29,6 +29,7 @@ from sglang.srt.layers.parameter import (
 )
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 
+from sglang_fp8rl.kernels import gemm_select
 from sglang_fp8rl.kernels.dispatch import new_nonfinite_flag, quantize_blockwise_into, quantize_per_channel_into
 from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision, choose_scheme
 from sglang_fp8rl.quant import (
@@ -209,6 +210,7 @@ class Fp8OnlineBlockwiseLinearMethod(LinearMethodBase):
         self.quant_config = quant_config
         self.prefix = prefix
         self._block_linear = None  # SGLang's block-FP8 GEMM, resolved on the first CUDA call
+        self._select_gemm = gemm_select.enabled()  # opt-in per-shape GEMM selection (FP8RL_GEMM_SELECT=1)
 
     def create_weights(
         self,
@@ -279,6 +281,10 @@ class Fp8OnlineBlockwiseLinearMethod(LinearMethodBase):
             from sglang.srt.layers.quantization.fp8_utils import dispatch_w8a8_block_fp8_linear
 
             self._block_linear = dispatch_w8a8_block_fp8_linear()
+        if self._select_gemm:
+            return gemm_select.apply_selected(
+                x, layer.weight, layer.weight_scale_inv, bias, self._block_linear, layer._fp8rl.block_size
+            )
         return self._block_linear(
             input=x,
             weight=layer.weight,

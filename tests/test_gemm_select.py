@@ -1,0 +1,501 @@
+"""CPU checks of sglang_fp8rl.kernels.gemm_select (the opt-in per-shape block-FP8 GEMM selection, issue 8).
+
+Covered here: M bucketing, cache keys / versioning / invalidation, the JSON round trip, the lookup and its fallback,
+the selection rule, the log table, the float64 block-scaled reference (against brute-force loops), and the linear
+method being unchanged unless FP8RL_GEMM_SELECT=1. Not covered (needs a GPU): the candidates themselves, the
+CUDA-graph timing, set_num_sms inside graph capture, the autotune's wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import pytest
+import torch
+
+from sglang_fp8rl import quant
+from sglang_fp8rl.kernels import gemm_select as gs
+from sglang_fp8rl.layers.linear import Fp8OnlineBlockwiseLinearMethod
+
+
+@pytest.fixture(autouse=True)
+def clean_state(monkeypatch, tmp_path):
+    for var in (gs.ENV_ENABLE, gs.ENV_AUTOTUNE, gs.ENV_SMS, gs.ENV_MAX_M, gs.ENV_BUDGET):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(gs.ENV_CACHE, str(tmp_path / "cache" / "gemm_select.json"))
+    gs.reset_state()
+    yield
+    gs.reset_state()
+
+
+def sglang_decode_capture_bs(max_bs: int = 256) -> list[int]:
+    """SGLang 0.5.17's decode CUDA-graph batch sizes (server_args._generate_decode_cuda_graph_batch_sizes)."""
+    bs = [1, 2, 4, 8, 12] + list(range(16, 257, 8)) + list(range(272, 512, 16)) + list(range(512, max_bs + 1, 32))
+    return [b for b in bs if b <= max_bs]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# buckets
+
+
+@pytest.mark.parametrize(
+    "m, bucket",
+    [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (12, 16), (16, 16), (17, 32), (24, 32), (33, 48), (96, 96), (97, 112),
+     (100, 112), (128, 128), (129, 144), (192, 192), (256, 256), (257, 320), (500, 512), (513, 1024), (1025, 2048),
+     (16384, 16384)],
+)
+def test_m_bucket_values(m, bucket):
+    assert gs.m_bucket(m) == bucket
+
+
+def test_m_bucket_monotone_and_covering():
+    prev = 0
+    for m in range(1, 5000):
+        b = gs.m_bucket(m)
+        assert b >= m and b >= prev
+        assert gs.m_bucket(b) == b  # a bucket is its own bucket
+        prev = b
+    with pytest.raises(ValueError):
+        gs.m_bucket(0)
+
+
+def test_buckets_match_cuda_graph_batch_sizes():
+    # every captured decode bs <= 256 lands in a bucket less than 16 above it; the DeepGEMM 128/129 cliff is an edge
+    for bs in sglang_decode_capture_bs(256):
+        assert 0 <= gs.m_bucket(bs) - bs < 16, bs
+    assert gs.m_bucket(128) != gs.m_bucket(129)
+    b = gs.buckets_upto(256)
+    assert b == [1, 2, 4, 8] + list(range(16, 257, 16)) and len(b) == 20
+    assert gs.buckets_upto(100) == [1, 2, 4, 8] + list(range(16, 113, 16))
+    assert gs.buckets_upto(2000)[-3:] == [512, 1024, 2048]
+
+
+def test_bucket_points():
+    assert gs.bucket_points(128) == (128,)
+    assert gs.bucket_points(128, "both") == (113, 128)
+    assert gs.bucket_points(16, "both") == (9, 16)
+    assert gs.bucket_points(2, "both") == (2,)
+    assert gs.bucket_points(1, "both") == (1,)
+    with pytest.raises(ValueError):
+        gs.bucket_points(16, "all")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# cache keying, versioning, round trip
+
+INFO = {"gpu": "NVIDIA H100 80GB HBM3", "capability": "9.0", "sms": "132", "torch": "2.11.0+cu130",
+        "triton": "3.6.0", "sglang": "0.5.17", "sgl_kernel": "0.4.5", "deep_gemm": "0.1.5.post1", "schema": "1"}
+
+
+def entry(choice: str, us: dict, rejected=None, names=None) -> dict:
+    names = names if names is not None else gs.candidate_names()
+    return {"choice": choice, "candidates": names, "us": us, "rejected": rejected or {}, "first_call_s": {},
+            "rel_err": {}, "points": [128], "time": 0}
+
+
+def test_env_info_has_every_key_field():
+    info = gs.env_info()
+    assert set(INFO) == set(info)
+    assert info["gpu"] == "cpu" and info["schema"] == str(gs.SCHEMA) and info["torch"] == torch.__version__
+
+
+@pytest.mark.parametrize("field", sorted(INFO), ids=lambda f: f"field_{f}")  # an id "gpu" would mean: skip on CPU
+def test_env_key_changes_with_every_field(field):
+    other = dict(INFO, **{field: INFO[field] + "x"})
+    assert gs.env_key(other) != gs.env_key(INFO)
+    assert gs.env_key(dict(reversed(list(INFO.items())))) == gs.env_key(INFO)
+
+
+def test_shape_key_round_trip():
+    assert gs.shape_key(24576, 4096, 128) == "N=24576,K=4096,M=128"
+    assert gs.parse_shape_key(gs.shape_key(24576, 4096, 128)) == (24576, 4096, 128)
+
+
+def test_cache_default_path_and_override(monkeypatch, tmp_path):
+    assert gs.cache_path() == str(tmp_path / "cache" / "gemm_select.json")
+    monkeypatch.delenv(gs.ENV_CACHE)
+    assert gs.cache_path() == os.path.join(os.path.expanduser("~"), ".cache", "sglang_fp8rl", "gemm_select.json")
+
+
+def test_json_round_trip_and_merge(tmp_path):
+    path = str(tmp_path / "c" / "g.json")
+    assert gs.load_cache(path) == {"schema": gs.SCHEMA, "envs": {}}  # missing file
+    e1 = {gs.shape_key(24576, 4096, 128): entry("deepgemm_sms_124", {"deepgemm_default": 101.0,
+                                                                     "deepgemm_sms_124": 42.2})}
+    gs.merge_entries(path, INFO, e1)
+    other = dict(INFO, deep_gemm="0.2.0")
+    e2 = {gs.shape_key(4096, 4096, 64): entry(gs.DEFAULT, {"deepgemm_default": 11.5})}
+    gs.merge_entries(path, other, e2)
+    data = gs.load_cache(path)
+    assert gs.env_entries(data, INFO) == e1  # merged, not overwritten
+    assert gs.env_entries(data, other) == e2
+    assert data["envs"][gs.env_key(INFO)]["info"] == INFO
+    assert os.listdir(os.path.dirname(path)) == ["g.json"]  # no temp file left behind
+    e3 = {gs.shape_key(24576, 4096, 128): entry(gs.DEFAULT, {"deepgemm_default": 50.0})}
+    gs.merge_entries(path, INFO, e3)  # re-measured entry replaces the old one
+    assert gs.env_entries(gs.load_cache(path), INFO) == e3
+
+
+@pytest.mark.parametrize("text", ["{not json", json.dumps({"schema": 999, "envs": {}}), json.dumps([1, 2])])
+def test_bad_cache_reads_as_empty(tmp_path, text):
+    path = tmp_path / "g.json"
+    path.write_text(text)
+    assert gs.load_cache(str(path)) == {"schema": gs.SCHEMA, "envs": {}}
+
+
+def test_versions_invalidate(tmp_path):
+    key = gs.shape_key(24576, 4096, 128)
+    gs.merge_entries(None, INFO, {key: entry("deepgemm_sms_124", {"deepgemm_default": 101.0,
+                                                                  "deepgemm_sms_124": 42.0})})
+    data = gs.load_cache()
+    assert gs.select(128, 24576, 4096, gs.env_entries(data, INFO)) == "deepgemm_sms_124"
+    newer = dict(INFO, sglang="0.5.18")
+    assert gs.select(128, 24576, 4096, gs.env_entries(data, newer)) == gs.DEFAULT
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# lookup and selection
+
+
+def test_select_lookup_and_fallbacks():
+    names = gs.candidate_names()
+    assert names[0] == gs.DEFAULT and names == ["deepgemm_default", "deepgemm_sms_124", "deepgemm_sms_112",
+                                                "deepgemm_sms_96", "triton_default"]
+    entries = {
+        gs.shape_key(24576, 4096, 112): entry("deepgemm_sms_112", {}),
+        gs.shape_key(24576, 4096, 128): entry("deepgemm_sms_96", {}, names=names[:-1]),  # other candidate set
+        gs.shape_key(4096, 4096, 128): entry("deepgemm_sms_7", {}),  # unknown name
+    }
+    assert gs.select(100, 24576, 4096, entries, names) == "deepgemm_sms_112"  # bucket 112
+    assert gs.select(112, 24576, 4096, entries, names) == "deepgemm_sms_112"
+    assert gs.select(113, 24576, 4096, entries, names) == gs.DEFAULT  # stale entry
+    assert gs.select(128, 4096, 4096, entries, names) == gs.DEFAULT  # unknown choice
+    assert gs.select(64, 24576, 4096, entries, names) == gs.DEFAULT  # missing bucket
+    assert gs.select(112, 6144, 4096, entries, names) == gs.DEFAULT  # missing shape
+    assert gs.select(1, 1, 1, {}, names) == gs.DEFAULT
+
+
+def test_select_reads_the_cache_file_of_this_environment():
+    key = gs.shape_key(24576, 4096, 128)
+    gs.merge_entries(None, gs.env_info(), {key: entry("deepgemm_sms_124", {})})
+    gs.merge_entries(None, dict(gs.env_info(), gpu="other"), {key: entry("triton_default", {})})
+    gs.reset_state()
+    assert gs.select(120, 24576, 4096) == "deepgemm_sms_124"
+
+
+def test_sms_env_changes_candidate_set(monkeypatch):
+    monkeypatch.setenv(gs.ENV_SMS, "120, 100")
+    assert gs.sms_from_env() == (120, 100)
+    assert gs.candidate_names() == ["deepgemm_default", "deepgemm_sms_120", "deepgemm_sms_100", "triton_default"]
+
+
+def test_choose():
+    us = {"deepgemm_default": 101.0, "deepgemm_sms_124": 42.2, "deepgemm_sms_96": 42.1, "triton_default": 59.8}
+    assert gs.choose(us, {}) == "deepgemm_sms_96"
+    assert gs.choose(us, {"deepgemm_sms_96": "rel. error"}) == "deepgemm_sms_124"
+    assert gs.choose({"deepgemm_default": 40.0, "deepgemm_sms_124": 39.5}, {}) == gs.DEFAULT  # < 3 % gain
+    assert gs.choose({"deepgemm_default": 40.0, "deepgemm_sms_124": 38.0}, {}) == "deepgemm_sms_124"
+    assert gs.choose({"deepgemm_default": 40.0, "deepgemm_sms_124": 38.0}, {}, min_gain=0.1) == gs.DEFAULT
+    assert gs.choose({}, {"deepgemm_default": "x"}) == gs.DEFAULT
+    assert gs.choose({"triton_default": 50.0, "deepgemm_default": float("nan")}, {}) == "triton_default"
+
+
+def test_unsupported_reason():
+    reg = gs.make_candidates((124, 132))
+    d, s124, s132, tr = (reg[n] for n in ("deepgemm_default", "deepgemm_sms_124", "deepgemm_sms_132",
+                                          "triton_default"))
+    assert gs.unsupported_reason(d, 100, 100, 132, False, False) is None  # the default always runs
+    assert gs.unsupported_reason(tr, 24576, 4096, 132, False, False) is None
+    assert gs.unsupported_reason(s124, 24576, 4096, 132, True, False) is None
+    assert "disabled" in gs.unsupported_reason(s124, 24576, 4096, 132, False, False)
+    assert "UE8M0" in gs.unsupported_reason(s124, 24576, 4096, 132, True, True)
+    assert "Triton" in gs.unsupported_reason(s124, 4096 + 32, 4096, 132, True, False)
+    assert "Triton" in gs.unsupported_reason(s124, 4096, 4096 + 64, 132, True, False)
+    assert "num_sms" in gs.unsupported_reason(s132, 4096, 4096, 132, True, False)
+
+
+def test_format_table():
+    entries = {
+        gs.shape_key(24576, 4096, 128): entry("deepgemm_sms_124", {"deepgemm_default": 101.0,
+                                                                   "deepgemm_sms_124": 42.2},
+                                              {"triton_default": "ValueError: rel. error"}),
+        gs.shape_key(4096, 4096, 1): entry(gs.DEFAULT, {"deepgemm_default": 13.3, "deepgemm_sms_124": 13.4}),
+    }
+    table = gs.format_table(entries)
+    lines = table.splitlines()
+    assert lines[0] == ("| N | K | M bucket | choice | gain vs default | deepgemm_default us | deepgemm_sms_124 us | "
+                        "triton_default us |")
+    assert lines[1] == "|" + "---|" * 8
+    assert lines[2] == "| 4096 | 4096 | 1 | deepgemm_default | x1.00 | 13.3 | 13.4 | - |"
+    assert lines[3] == "| 24576 | 4096 | 128 | deepgemm_sms_124 | x2.39 | 101.0 | 42.2 | REJ |"
+    assert gs.format_table({}).count("\n") == 1  # header only
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# float64 block-scaled reference
+
+
+def brute_force(xq, xs, wq, ws, block=(128, 128)):
+    """out[i][j] = sum over K blocks of xs[i,kb] * ws[j//bn, kb] * sum_{k in block} xq[i,k] * wq[j,k], in Python."""
+    bn, bk = block
+    xqv, xsv, wqv, wsv = xq.float().tolist(), xs.tolist(), wq.float().tolist(), ws.tolist()
+    m, k = xq.shape
+    n = wq.shape[0]
+    out = [[0.0] * n for _ in range(m)]
+    for i in range(m):
+        for j in range(n):
+            acc = 0.0
+            for kb in range(0, k, bk):
+                part = sum(xqv[i][c] * wqv[j][c] for c in range(kb, min(kb + bk, k)))
+                acc += xsv[i][kb // bk] * wsv[j // bn][kb // bk] * part
+            out[i][j] = acc
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("m, n, k", [(3, 130, 200), (1, 128, 256), (5, 257, 129)])
+def test_reference_matches_brute_force(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 1, n).unsqueeze(1)  # blocks of very different scales
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    wq, ws = quant.quantize_blockwise(w, (128, 128))
+    xq, xs = quant.quantize_activation_groups(x, 128)
+    ref = gs.block_scaled_reference(xq, xs, wq, ws)
+    assert ref.dtype == torch.float64 and ref.shape == (m, n)
+    torch.testing.assert_close(ref, brute_force(xq, xs, wq, ws), rtol=1e-12, atol=1e-12)
+    # the same product as quant.py's dequantizers (float32 there, so a loose bound)
+    deq = quant.dequantize_activation_groups(xq, xs).double() @ quant.dequantize_blockwise(wq, ws).double().t()
+    torch.testing.assert_close(ref, deq, rtol=1e-5, atol=1e-6)
+    cols = gs.check_columns(n, generator=g)
+    torch.testing.assert_close(gs.block_scaled_reference(xq, xs, wq, ws, cols=cols), ref[:, cols], rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_rel_error_and_tolerance():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 512, generator=g) * torch.tensor([0.02, 2.0]).repeat_interleave(128).unsqueeze(1)
+    wq, ws = quant.quantize_blockwise(w)
+    xq, xs = quant.quantize_activation_groups(torch.randn(7, 512, generator=g).to(torch.bfloat16))
+    ref = gs.block_scaled_reference(xq, xs, wq, ws)
+    assert gs.rel_error(ref.to(torch.bfloat16), ref) < 4e-3  # a bf16 output alone is well inside REL_TOL
+    assert gs.rel_error(ref.to(torch.bfloat16), ref) < gs.REL_TOL
+    wrong_scale = gs.block_scaled_reference(xq, xs, wq, ws.flip(0))  # e.g. a transposed / mis-strided scale
+    assert gs.rel_error(wrong_scale, ref) > 10 * gs.REL_TOL
+    bad = ref.clone()
+    bad[0, 0] = float("nan")
+    assert gs.rel_error(bad, ref) == float("inf")
+
+
+def test_check_columns_cover_every_16_group():
+    g = torch.Generator().manual_seed(1)
+    for n in (16, 130, 4096, 24576):
+        cols = gs.check_columns(n, generator=g)
+        assert cols.min() >= 0 and cols.max() == n - 1
+        assert set((cols // 16).tolist()) == set(range((n + 15) // 16))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the linear method: unchanged unless FP8RL_GEMM_SELECT=1
+
+
+class Recorder:
+    def __init__(self, tag):
+        self.tag, self.calls = tag, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return self.tag
+
+
+def fake_layer(n=256, k=512, block=(128, 128)):
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.zeros(n, k, dtype=quant.FP8_DTYPE), requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(torch.ones(2, 4), requires_grad=False)
+    layer._fp8rl = types.SimpleNamespace(block_size=block, is_block=True)
+    return layer
+
+
+def run_block_apply(default):
+    method = Fp8OnlineBlockwiseLinearMethod(quant_config=None, prefix="model.layers.0.mlp.gate_up_proj")
+    method._block_linear = default
+    layer = fake_layer()
+    x = torch.zeros(5, 512, dtype=torch.bfloat16)
+    return method._apply_block_cuda(layer, x, None), layer, x
+
+
+def expected_kwargs(layer, x):
+    return {"input": x, "weight": layer.weight, "block_size": [128, 128], "weight_scale": layer.weight_scale_inv,
+            "input_scale": None, "bias": None}
+
+
+def same_kwargs(got, want):
+    return got.keys() == want.keys() and all(got[key] is want[key] or got[key] == want[key] for key in want)
+
+
+@pytest.mark.parametrize("value", [None, "0", "", "true"])
+def test_linear_unchanged_without_flag(monkeypatch, value):
+    if value is not None:
+        monkeypatch.setenv(gs.ENV_ENABLE, value)
+
+    def boom(*a, **k):
+        raise AssertionError("the selector must not run")
+
+    monkeypatch.setattr(gs, "apply_selected", boom)
+    default = Recorder("sglang")
+    out, layer, x = run_block_apply(default)
+    assert out == "sglang" and len(default.calls) == 1
+    args, kwargs = default.calls[0]
+    assert args == () and same_kwargs(kwargs, expected_kwargs(layer, x))
+
+
+def test_linear_with_flag_and_empty_cache_calls_sglang_identically(monkeypatch):
+    monkeypatch.setenv(gs.ENV_ENABLE, "1")
+    default = Recorder("sglang")
+    out, layer, x = run_block_apply(default)
+    assert out == "sglang" and len(default.calls) == 1
+    args, kwargs = default.calls[0]
+    assert args == () and same_kwargs(kwargs, expected_kwargs(layer, x))
+
+
+def test_linear_with_flag_uses_cached_choice(monkeypatch):
+    monkeypatch.setenv(gs.ENV_ENABLE, "1")
+    names = gs.candidate_names()
+    gs.merge_entries(None, gs.env_info(), {gs.shape_key(256, 512, 8): entry("deepgemm_sms_112", {}, names=names)})
+    picked = Recorder("sms112")
+    reg = gs.make_candidates()
+    reg["deepgemm_sms_112"] = gs.Candidate("deepgemm_sms_112", picked, needs_deepgemm=True, num_sms=112)
+    gs._STATE["registry"] = reg
+    default = Recorder("sglang")
+    out, layer, x = run_block_apply(default)  # M = 5 -> bucket 8
+    assert out == "sms112" and default.calls == []
+    args, _ = picked.calls[0]
+    assert args[0] is x and args[1] is layer.weight and args[2] is layer.weight_scale_inv and args[3] is None
+
+
+def test_selector_leaves_other_block_sizes_alone(monkeypatch):
+    default = Recorder("sglang")
+    layer = fake_layer(block=(64, 64))
+    x = torch.zeros(3, 512, dtype=torch.bfloat16)
+    monkeypatch.setattr(gs, "select", lambda *a, **k: pytest.fail("no lookup for 64x64 blocks"))
+    assert gs.apply_selected(x, layer.weight, layer.weight_scale_inv, None, default, (64, 64)) == "sglang"
+    assert default.calls[0][1]["block_size"] == [64, 64]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the autotune loop on CPU (fake candidates and a fake timer; the real timing and kernels need the GPU)
+
+
+def make_fake_candidates(last: list):
+    def exact(x, w, s, bias):  # the block-scaled product, rounded to bf16 like a real kernel's output
+        xq, xs = quant.quantize_activation_groups(x, 128)
+        return (quant.dequantize_activation_groups(xq, xs) @ quant.dequantize_blockwise(w, s).t()).to(x.dtype)
+
+    def fn(name, body):
+        def run(x, w, s, bias):
+            last.append(name)
+            return body(x, w, s, bias)
+        return gs.Candidate(name, run)
+
+    def broken(x, w, s, bias):
+        raise RuntimeError("no kernel image")
+
+    return {
+        gs.DEFAULT: fn(gs.DEFAULT, exact),
+        "fast": fn("fast", exact),
+        "wrong": fn("wrong", lambda x, w, s, bias: exact(x, w, s.flip(0) * 3.0, bias)),
+        "nan": fn("nan", lambda x, w, s, bias: exact(x, w, s, bias) * float("nan")),
+        "broken": fn("broken", broken),
+    }
+
+
+US = {gs.DEFAULT: 100.0, "fast": 40.0, "wrong": 10.0, "nan": 5.0, "broken": 1.0}
+
+
+def fake_timer(last):
+    def timer(call, nrot, calls, reps):
+        call(0)
+        return US[last[-1]]
+    return timer
+
+
+def test_autotune_loop_checks_rejects_and_chooses():
+    last: list = []
+    new = gs.autotune([(256, 384), (256, 384)], max_m=16, candidates=make_fake_candidates(last), device="cpu",
+                      timer=fake_timer(last), log=lambda s: None)
+    assert sorted(new) == sorted(gs.shape_key(256, 384, b) for b in (1, 2, 4, 8, 16))
+    for e in new.values():
+        assert e["choice"] == "fast" and e["candidates"] == [gs.DEFAULT, "fast", "wrong", "nan", "broken"]
+        assert e["us"] == {gs.DEFAULT: 100.0, "fast": 40.0}
+        assert set(e["rejected"]) == {"wrong", "nan", "broken"}
+        assert "rel. error" in e["rejected"]["wrong"] and "RuntimeError" in e["rejected"]["broken"]
+        assert e["rel_err"][gs.DEFAULT] < 4e-3 and e["rel_err"]["nan"] == float("inf")
+        assert set(e["first_call_s"]) == {gs.DEFAULT, "fast", "wrong", "nan"}  # "broken" raised in its first call
+    # what the autotune writes is what select() reads back
+    gs.merge_entries(None, INFO, new)
+    entries = gs.env_entries(gs.load_cache(), INFO)
+    assert gs.select(3, 256, 384, entries, list(make_fake_candidates([]))) == "fast"
+    assert gs.select(17, 256, 384, entries, list(make_fake_candidates([]))) == gs.DEFAULT  # above max_m
+    assert "| 256 | 384 | 16 | fast | x2.50 |" in gs.format_table(new)
+
+
+def test_autotune_points_skip_budget_and_order():
+    last: list = []
+    cands = make_fake_candidates(last)
+    skip = {gs.shape_key(256, 384, 1): {}}
+    new = gs.autotune([(256, 384)], max_m=8, candidates=cands, device="cpu", timer=fake_timer(last), points="both",
+                      skip=skip, log=lambda s: None)
+    assert sorted(new) == sorted(gs.shape_key(256, 384, b) for b in (2, 4, 8))  # bucket 1 skipped
+    assert new[gs.shape_key(256, 384, 8)]["points"] == [5, 8]
+    assert new[gs.shape_key(256, 384, 8)]["us"]["fast"] == 80.0  # summed over both points
+    assert gs.autotune([(256, 384)], max_m=8, candidates=cands, device="cpu", timer=fake_timer(last),
+                       budget_s=-1, log=lambda s: None) == {}
+    reordered = {"fast": cands["fast"], gs.DEFAULT: cands[gs.DEFAULT]}
+    with pytest.raises(AssertionError, match="first"):
+        gs.autotune([(256, 384)], max_m=1, candidates=reordered, device="cpu", timer=fake_timer(last))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# scripts/bench_gemm.py on CPU: --help, shape parsing, the markdown tables
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gemm", os.path.join(REPO_ROOT, "scripts", "bench_gemm.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_help_and_no_gpu():
+    import subprocess
+    import sys
+
+    script = os.path.join(REPO_ROOT, "scripts", "bench_gemm.py")
+    r = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0 and "--tune" in r.stdout and "gate_up 24576x4096" in r.stdout
+    r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
+
+
+def test_bench_shapes_and_markdown():
+    bench = load_bench()
+    assert bench.parse_shapes("qkv, gate_up,1024x2048") == [("qkv", 6144, 4096), ("gate_up", 24576, 4096),
+                                                            ("1024x2048", 1024, 2048)]
+    assert bench.MS == (1, 8, 32, 64, 96, 112, 128, 144, 192, 256)
+    row = {"shape": "gate_up", "N": 24576, "K": 4096, "M": 128,
+           "us": {"bf16": 77.6, "deepgemm_default": 103.6, "deepgemm_sms_124": 44.0, "triton_default": 59.8},
+           "errors": {"triton_default": "rel. error 0.5 > 0.01", "deepgemm_sms_96": "ValueError: x"},
+           "derived": {m: {"frac_copy_bw": 0.5, "tflops": 100.0, "frac_peak": 0.1, "x_bf16": 77.6 / us}
+                       for m, us in {"bf16": 77.6, "deepgemm_default": 103.6, "deepgemm_sms_124": 44.0,
+                                     "triton_default": 59.8}.items()}}
+    res = {"peaks": {"copy_GBs": 3003.0, "bf16_tflops": 795.0, "fp8_tflops": 1313.0}, "rows": [row]}
+    md = bench.markdown(res, ["bf16", "deepgemm_default", "deepgemm_sms_124", "deepgemm_sms_96", "triton_default"])
+    lines = md.splitlines()
+    assert lines[0] == "copy 3003 GB/s; peaks bf16 795, fp8 1313 TFLOP/s"
+    assert lines[4] == ("| gate_up | 128 | 77.6 | 103.6 (x0.75) | 44.0 (x1.76) | n/a | 59.8 (x1.30) FAIL | "
+                        "deepgemm_sms_124 |")
+    assert lines[-1].startswith("| gate_up | 128 | 50%, 100 (10%) |") and "n/a" in lines[-1]
