@@ -167,7 +167,49 @@ def scenario_device_failure(runner, extra: dict) -> dict:
             "consistent_after_second": engine_state().consistent, "final_params": snapshot(model)}
 
 
-SCENARIOS = {"load": scenario_load, "updates": scenario_updates, "leak": scenario_leak,
+class RunnerEngine:
+    """``sglang.Engine``'s update methods without its processes, straight into SGLang's WeightUpdater.
+
+    The serialization step is left out here: SGLang's WeightUpdater patches torch's tensor reductions for CUDA IPC
+    in this process, which breaks pickling CPU tensors afterwards; tests/test_client.py checks the payload format
+    with SGLang's own deserializer in a clean process instead."""
+
+    def __init__(self, runner):
+        self.updater = _updater(runner)
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        return self.updater.update_weights_from_tensor(list(named_tensors), load_format=load_format)
+
+    def update_weights_from_disk(self, model_path, load_format=None):
+        return self.updater.update_weights_from_disk(model_path, load_format or "auto")
+
+
+def scenario_client(runner, extra: dict) -> dict:
+    """The trainer client against the engine adapter: a bucketed push, a bad push, a disk push."""
+    from sglang_fp8rl.weight_sync.client import WeightPushError, push_from_disk, push_state_dict
+
+    model = runner.torch_runner.model
+    engine = RunnerEngine(runner)
+    sd = torch.load(extra["state_dict"], weights_only=False)
+    ptrs_before = pointers(model)
+    answers = push_state_dict(engine, sd, bucket_bytes=extra["bucket_bytes"])
+    after_push = snapshot(model)
+    bad = {name: t.clone() for name, t in list(sd.items())[:2]}
+    first = next(iter(bad))
+    bad[first].view(-1)[0] = float("nan")
+    try:
+        push_state_dict(engine, bad)
+        bad_error = None
+    except WeightPushError as e:
+        bad_error = str(e)
+    after_bad = snapshot(model)
+    disk_answer = push_from_disk(engine, extra["disk"]) if extra.get("disk") else None
+    return {"answers": answers, "after_push": after_push, "bad_error": bad_error, "after_bad": after_bad,
+            "disk_answer": disk_answer, "final_params": snapshot(model), "ptrs_before": ptrs_before,
+            "ptrs_after": pointers(model)}
+
+
+SCENARIOS = {"client": scenario_client, "load": scenario_load, "updates": scenario_updates, "leak": scenario_leak,
              "device_failure": scenario_device_failure}
 
 

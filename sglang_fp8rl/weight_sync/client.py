@@ -83,7 +83,10 @@ def serialize_for_ranks(named: Sequence[tuple[str, torch.Tensor]], tp_size: int)
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-    monkey_patch_torch_reductions()
+    if any(t.is_cuda for _, t in named):
+        # CUDA tensors travel as IPC handles keyed by device UUID (what SGLang's receiving TP worker expects); the
+        # patch is for CUDA storages only and breaks the pickling of CPU tensors
+        monkey_patch_torch_reductions()
     return [MultiprocessingSerializer.serialize(list(named), output_str=True) for _ in range(tp_size)]
 
 
