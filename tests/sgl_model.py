@@ -28,17 +28,23 @@ TINY_FALLBACK = dict(TINY, intermediate_size=320)
 
 def write_checkpoint(out: str, dims: dict, seed: int, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
     """Write config.json, model.safetensors and a tokenizer; returns the state dict written."""
-    from safetensors.torch import save_file
     from transformers import Qwen3Config
 
-    os.makedirs(out, exist_ok=True)
     config = Qwen3Config(max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="bfloat16", **dims)
     config.architectures = ["Qwen3ForCausalLM"]
-    config.save_pretrained(out)
     sd = state_dict if state_dict is not None else random_state_dict(dims, seed)
+    return save_checkpoint(out, config, sd)
+
+
+def save_checkpoint(out: str, config, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """config.json, model.safetensors and a tokenizer in ``out``; returns ``sd``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    config.save_pretrained(out)
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out, "model.safetensors"),
               metadata={"format": "pt"})
-    write_tokenizer(out, dims["vocab_size"])
+    write_tokenizer(out, config.vocab_size)
     return sd
 
 
@@ -88,20 +94,14 @@ def random_moe_state_dict(dims: dict, seed: int, scale: float = 0.05) -> dict[st
 
 def write_moe_checkpoint(out: str, dims: dict, seed: int, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
     """Write a Qwen3MoeForCausalLM config.json, model.safetensors and a tokenizer; returns the state dict written."""
-    from safetensors.torch import save_file
     from transformers import Qwen3MoeConfig
 
-    os.makedirs(out, exist_ok=True)
     config = Qwen3MoeConfig(max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="bfloat16",
                             intermediate_size=dims["moe_intermediate_size"], decoder_sparse_step=1, mlp_only_layers=[],
                             norm_topk_prob=True, **dims)
     config.architectures = ["Qwen3MoeForCausalLM"]
-    config.save_pretrained(out)
     sd = state_dict if state_dict is not None else random_moe_state_dict(dims, seed)
-    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out, "model.safetensors"),
-              metadata={"format": "pt"})
-    write_tokenizer(out, dims["vocab_size"])
-    return sd
+    return save_checkpoint(out, config, sd)
 
 
 def run_tp_workers(scenario: str, model_dir: str, out_prefix: str, tp_size: int, *server_args: str,

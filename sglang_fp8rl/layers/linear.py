@@ -167,22 +167,28 @@ def load_weight_shard(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_
     quantize_rows_into_layer(layer, loaded_weight[placement.src_rows, placement.src_cols], placement.dst_rows)
 
 
-def refuse_scale(prefix: str, name: str, param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args) -> None:
-    """Weight loader of our scale parameters: scales are computed on the engine, never loaded."""
+def refuse_scale(prefix: str, name: str, param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args,
+                 **kwargs) -> None:
+    """Weight loader of our scale parameters (dense and MoE): scales are computed on the engine, never loaded."""
     raise ValueError(
         f"{prefix}.{name}: fp8_online_blockwise computes FP8 scales from the BF16 weights; "
         "the checkpoint or update must not contain scale tensors"
     )
 
 
+def dummy_bf16(shape: tuple[int, ...], device: torch.device, key: str) -> torch.Tensor:
+    """Deterministic U(-1e-3, 1e-3) BF16 values for a never-loaded weight, seeded by its name."""
+    seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    w = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    return w.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+
+
 def fill_dummy(layer: torch.nn.Module) -> None:
-    """Quantize deterministic U(-1e-3, 1e-3) BF16 values into a never-loaded layer (``--load-format dummy``)."""
+    """Quantize dummy BF16 values into a never-loaded layer (``--load-format dummy``)."""
     weight = layer.weight.data
-    seed = int.from_bytes(hashlib.sha256(layer._fp8rl.prefix.encode()).digest()[:4], "little")
-    generator = torch.Generator(device=weight.device).manual_seed(seed)
-    w = torch.empty(weight.shape, dtype=torch.bfloat16, device=weight.device)
-    w.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
-    quantize_rows_into_layer(layer, w, slice(0, weight.shape[0]))
+    quantize_rows_into_layer(layer, dummy_bf16(tuple(weight.shape), weight.device, layer._fp8rl.prefix),
+                             slice(0, weight.shape[0]))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 from typing import TYPE_CHECKING, Optional
 
 import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from sglang_fp8rl.kernels.dispatch import quantize_blockwise_into, quantize_per_channel_into
-from sglang_fp8rl.layers.linear import CHECK_ATTR, DUMMY_WEIGHT_RANGE
+from sglang_fp8rl.layers.linear import CHECK_ATTR, dummy_bf16, refuse_scale
 from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision, choose_scheme
 from sglang_fp8rl.quant import (
     FP8_DTYPE,
@@ -159,22 +158,12 @@ def load_expert_weight(layer: torch.nn.Module, param: torch.nn.Parameter, loaded
         quantize_into_expert(layer, loaded_weight[target.src], target.local_expert, shard_id, target.dst_rows)
 
 
-def refuse_moe_scale(prefix: str, name: str, param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args,
-                     **kwargs) -> None:
-    """Weight loader of our scale parameters: scales are computed on the engine, never loaded."""
-    raise ValueError(f"{prefix}.{name}: fp8_online_blockwise computes FP8 scales from the BF16 weights; "
-                     "the checkpoint or update must not contain scale tensors")
-
-
 def fill_dummy_expert(layer: torch.nn.Module, local: int, shard_id: str) -> None:
-    """Quantize deterministic U(-1e-3, 1e-3) BF16 values into a never-loaded expert shard."""
+    """Quantize dummy BF16 values into a never-loaded expert shard."""
     state: MoeLayerState = layer._fp8rl
     h, i = state.hidden_size, state.intermediate_local
-    device = layer.w13_weight.device
-    seed = int.from_bytes(hashlib.sha256(f"{state.prefix}.{local}.{shard_id}".encode()).digest()[:4], "little")
-    generator = torch.Generator(device=device).manual_seed(seed)
-    w = torch.empty((h, i) if shard_id == "w2" else (i, h), dtype=torch.bfloat16, device=device)
-    w.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+    shape = (h, i) if shard_id == "w2" else (i, h)
+    w = dummy_bf16(shape, layer.w13_weight.device, f"{state.prefix}.{local}.{shard_id}")
     rows = {"w1": slice(0, i), "w3": slice(i, 2 * i), "w2": slice(0, h)}[shard_id]
     quantize_into_expert(layer, w, local, shard_id, rows)
 
@@ -276,7 +265,7 @@ class Fp8OnlineBlockwiseMoEMethod(FusedMoEMethodBase):
 
     def _register_scale(self, layer: torch.nn.Module, name: str, shape: tuple[int, ...]) -> None:
         param = torch.nn.Parameter(torch.ones(shape, dtype=torch.float32), requires_grad=False)
-        param.weight_loader = functools.partial(refuse_moe_scale, self.prefix, name)
+        param.weight_loader = functools.partial(refuse_scale, self.prefix, name)
         layer.register_parameter(name, param)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

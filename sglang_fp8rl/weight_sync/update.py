@@ -278,9 +278,9 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 
 
 def _synchronize(model: torch.nn.Module) -> None:
-    param = next(model.parameters(), None)
-    if param is not None and param.is_cuda:
-        torch.cuda.synchronize(param.device)
+    device = _model_device(model)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class GuardedLoadWeights:
