@@ -1,6 +1,5 @@
 #!/usr/bin/env python
-"""Per-shape block-FP8 GEMM microbenchmark (issue 8): BF16 cuBLAS vs every gemm_select candidate. UNVERIFIED:
-written without GPU time; the first GPU run is its test.
+"""Per-shape block-FP8 GEMM microbenchmark (issue 8): BF16 cuBLAS vs every gemm_select candidate.
 
 For each Qwen3-8B linear shape (qkv 6144x4096, o_proj 4096x4096, gate_up 24576x4096, down 4096x12288; N x K) and
 M in {1, 8, 32, 64, 96, 112, 128, 144, 192, 256}:
@@ -8,7 +7,8 @@ M in {1, 8, 32, 64, 96, 112, 128, 144, 192, 256}:
 * bf16: ``F.linear(x, W)`` (cuBLAS);
 * each candidate of ``sglang_fp8rl.kernels.gemm_select`` (``deepgemm_default`` = SGLang's dispatched block-FP8
   linear, ``deepgemm_sms_{n}`` = the same under ``deep_gemm.set_num_sms(n)``, ``triton_default``), each a full
-  linear: 1x128 activation quant + GEMM, on a weight quantized by ``sglang_fp8rl.quant`` (128x128 fp32 scales).
+  linear: 1x128 activation quant + GEMM, on a weight quantized by ``sglang_fp8rl.quant`` (128x128 fp32 scales);
+* ``fp8rl_n{64,128}_sk{1,2,4}``: our swap-AB / split-K Triton kernel (``sglang_fp8rl.kernels.block_gemm``), M <= 128.
 
 Timing as in ``shared/gpu/gemm_micro.py``: a CUDA graph of >= 48 back-to-back calls rotating over enough weight copies
 (>= 200 MB) and activation sets that weights come from HBM, median of the replays / calls. Each (shape, M, method)
@@ -18,7 +18,7 @@ rel. Frobenius error on one column per 16. Ceilings measured in the same run: a 
 bf16 activation in + bf16 output, once each; "%BW" = bytes / time / copy BW; "%pk" = TFLOP/s / the matching peak.
 
 Usage (GPU):  python scripts/bench_gemm.py [--ms 1,8,...] [--shapes qkv,gate_up | --shapes 24576x4096]
-              [--sms 124,112,96] [--no-triton] [--json out.json]
+              [--sms 124,112] [--no-triton] [--no-ours] [--json out.json]
               python scripts/bench_gemm.py --tune [--max-m 256] [--cache PATH]   (fill the gemm_select cache)
 Env: SGLANG_JIT_DEEPGEMM_PRECOMPILE defaults to 0 here (first calls JIT; their wall time is reported).
 """
@@ -43,8 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=",".join(QWEN3_8B),
                    help="comma list of Qwen3-8B names (qkv,o_proj,gate_up,down) or NxK (default: all four)")
     p.add_argument("--ms", default=",".join(map(str, MS)), help="comma list of M (default: %(default)s)")
-    p.add_argument("--sms", default=None, help="num_sms candidates (default: FP8RL_GEMM_SELECT_SMS or 124,112,96)")
+    p.add_argument("--sms", default=None, help="num_sms candidates (default: gemm_select.DEFAULT_SMS)")
     p.add_argument("--no-triton", action="store_true", help="leave out triton_default")
+    p.add_argument("--no-ours", action="store_true", help="leave out our kernel (fp8rl_*)")
     p.add_argument("--rot-mb", type=float, default=200.0, help="weight bytes rotated per graph (MB, default 200)")
     p.add_argument("--calls", type=int, default=48, help="calls per CUDA graph (default 48)")
     p.add_argument("--reps", type=int, default=20, help="graph replays timed (median; default 20)")
@@ -84,7 +85,7 @@ def measure_ceilings(torch, time_us):
         sb = torch.ones(1, 8192, device="cuda")
         fp8_tf = flops / (time_us(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
                                                            out_dtype=torch.bfloat16)) * 1e-6) / 1e12
-    except Exception as e:  # noqa: BLE001
+    except (RuntimeError, TypeError) as e:  # torch._scaled_mm's signature / support differs across versions
         print(f"fp8 peak not measured: {e!r}")
     return {"copy_GBs": 2 * nb / (copy_us * 1e-6) / 1e9, "bf16_tflops": bf16_tf, "fp8_tflops": fp8_tf}
 
@@ -103,8 +104,8 @@ def main(argv=None) -> int:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     shapes = parse_shapes(args.shapes)
-    sms = tuple(int(v) for v in args.sms.split(",")) if args.sms else gs.sms_from_env()
-    cands = gs.make_candidates(sms, triton=not args.no_triton)
+    sms = tuple(int(v) for v in args.sms.split(",")) if args.sms else gs.DEFAULT_SMS
+    cands = gs.make_candidates(sms, triton=not args.no_triton, ours=() if args.no_ours else gs.OURS_CONFIGS)
     info = gs.env_info()
     print("env:", json.dumps(info))
 
@@ -136,6 +137,7 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = {"info": info, "peaks": peaks, "args": vars(args), "rows": []}
     methods = ["bf16"] + list(cands)
+    errors = gs.candidate_errors()
     t0 = time.time()
     for name, n, k in shapes:
         nrot8 = int(min(16, max(2, math.ceil(args.rot_mb * 1e6 / (n * k)))))
@@ -159,7 +161,7 @@ def main(argv=None) -> int:
                     nr, ref = nrot16, ref16
                 else:
                     c = cands[meth]
-                    why = gs.unsupported_reason(c, n, k, device_sms, deepgemm_ok, ue8m0)
+                    why = gs.unsupported_reason(c, n, k, device_sms, deepgemm_ok, ue8m0, m)
                     if why:
                         row["errors"][meth] = why
                         continue
@@ -177,7 +179,7 @@ def main(argv=None) -> int:
                     if not err <= gs.REL_TOL:
                         row["errors"][meth] = f"rel. error {err:.3g} > {gs.REL_TOL}"
                     row["us"][meth] = gs.time_graph(fn, nr, args.calls, args.reps)
-                except Exception as e:  # noqa: BLE001 - keep going; the error is in the table and the JSON
+                except errors as e:  # keep going; the error is in the table and the JSON
                     row["errors"][meth] = f"{type(e).__name__}: {e}"[:300]
                     torch.cuda.synchronize()
             for meth, us in row["us"].items():

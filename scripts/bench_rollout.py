@@ -53,17 +53,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 CONFIGS = ["bf16", "fp8_online_blockwise", "block_prequant", "fp8_channel"]
+EXTRA_CONFIGS = ["fp8_online_noselect"]  # opt-in (--configs): the plugin with SGLang's GEMM dispatch only
 DESC = {
     "bf16": "BF16, no quantization",
-    "fp8_online_blockwise": "--quantization fp8_online_blockwise (this plugin)",
+    "fp8_online_blockwise": "--quantization fp8_online_blockwise (this plugin, GEMM per shape measured at load)",
+    "fp8_online_noselect": "--quantization fp8_online_blockwise --fp8rl-gemm-select off (SGLang's GEMM dispatch)",
     "block_prequant": "pre-quantized block-FP8 checkpoint (SGLang, DeepGEMM)",
     "fp8_channel": "--quantization fp8 (online per-channel W, per-token A)",
 }
 SHORT = {"bf16": "bf16", "fp8_online_blockwise": "online", "block_prequant": "block_prequant",
-         "fp8_channel": "fp8_channel"}
+         "fp8_channel": "fp8_channel", "fp8_online_noselect": "online_noselect"}
 # (numerator, denominator, metric, batch size or None for every bs, threshold)
 TARGETS = [
+    ("fp8_online_blockwise", "bf16", "decode", 64, 1.40),
     ("fp8_online_blockwise", "bf16", "decode", 128, 1.40),
+    ("fp8_online_blockwise", "fp8_channel", "decode", None, 1.00),
+    ("fp8_online_blockwise", "bf16", "prefill", None, 1.45),
     ("fp8_online_blockwise", "block_prequant", "decode", None, 0.98),
     ("fp8_online_blockwise", "block_prequant", "prefill", None, 0.98),
 ]
@@ -73,6 +78,7 @@ RATIO_PAIRS = [
     ("fp8_online_blockwise", "fp8_channel"),
     ("block_prequant", "bf16"),
     ("fp8_channel", "bf16"),
+    ("fp8_online_blockwise", "fp8_online_noselect"),
 ]
 METRIC_KEY = {"prefill": "prefill_throughput", "decode": "median_decode_throughput", "total": "overall_throughput"}
 ECHO_RE = re.compile(
@@ -99,7 +105,10 @@ def config_spec(cfg: str, moe: bool = False) -> dict:
         return {"model": block, "flags": [], "env": {"FP8RL_BENCH_REFILL": "1"}}
     if cfg == "fp8_channel":
         return {"model": plain, "flags": ["--quantization", "fp8"], "env": {"FP8RL_BENCH_REFILL": "1"}}
-    raise ValueError(f"unknown config {cfg!r}; choose from {CONFIGS}")
+    if cfg == "fp8_online_noselect":
+        return {"model": plain, "flags": ["--quantization", "fp8_online_blockwise", "--fp8rl-gemm-select", "off"],
+                "env": {"FP8RL_BENCH_REFILL": "0"}}
+    raise ValueError(f"unknown config {cfg!r}; choose from {CONFIGS + EXTRA_CONFIGS}")
 
 
 def bench_flags(model_path: str, batch_sizes, input_len: int, output_len: int, mem_fraction: float,
@@ -518,7 +527,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS + EXTRA_CONFIGS)
     p.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default 64 128 (--moe: 32 64)")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=None, help="default 1024 (--moe: 512)")
@@ -534,7 +543,7 @@ def parse_args(argv=None):
     p.add_argument("--profile-decode", action="store_true",
                    help="torch-profile a few decode steps (bench_one_batch --profile, in process) of --profile-configs "
                         "and write the top kernels by CUDA time to profile_top_kernels.txt")
-    p.add_argument("--profile-configs", nargs="+", default=["fp8_online_blockwise"], choices=CONFIGS)
+    p.add_argument("--profile-configs", nargs="+", default=["fp8_online_blockwise"], choices=CONFIGS + EXTRA_CONFIGS)
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--extra-args", default="", help="extra bench_one_batch flags for every config (one string)")
     p.add_argument("--keep-raw", action="store_true", help="keep OUT/raw/ next to logs.tgz")

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 from importlib.metadata import PackageNotFoundError, version
 
+from sglang_fp8rl.server_args import QUANTIZATION_NAME
+
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_NAME = "fp8_online_blockwise"
 SUPPORTED_SGLANG = ((0, 5, 17), (0, 6, 0))  # [min, max)
 
 

@@ -18,6 +18,9 @@ from typing import Any, Sequence
 from sglang_fp8rl.quant import SCALE_FORMATS
 
 ENV_VAR = "FP8RL_OPTIONS"
+GEMM_SELECT_MODES = ("auto", "cache", "off")
+QUANTIZATION_NAME = "fp8_online_blockwise"
+DEEPGEMM_PRECOMPILE_ENV = "SGLANG_JIT_DEEPGEMM_PRECOMPILE"
 _PARSER_MARK = "_fp8rl_options_added"
 
 
@@ -29,6 +32,8 @@ class Fp8rlOptions:
     bf16_last_layers: int = 0
     ignore: tuple[str, ...] = ()
     scale_format: str = "fp32"
+    gemm_select: str = "auto"
+    gemm_tune_budget_s: float = 20.0
 
     def __post_init__(self) -> None:
         for name in ("bf16_first_layers", "bf16_last_layers"):
@@ -37,6 +42,11 @@ class Fp8rlOptions:
                 raise ValueError(f"--fp8rl-{name.replace('_', '-')} must be a non-negative integer, got {value!r}")
         if self.scale_format not in SCALE_FORMATS:
             raise ValueError(f"--fp8rl-scale-format must be one of {SCALE_FORMATS}, got {self.scale_format!r}")
+        if self.gemm_select not in GEMM_SELECT_MODES:
+            raise ValueError(f"--fp8rl-gemm-select must be one of {GEMM_SELECT_MODES}, got {self.gemm_select!r}")
+        budget = self.gemm_tune_budget_s
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget < float("inf"):
+            raise ValueError(f"--fp8rl-gemm-tune-budget-s must be a finite number >= 0, got {budget!r}")
         object.__setattr__(self, "ignore", tuple(self.ignore))
         for pattern in self.ignore:
             try:
@@ -61,6 +71,15 @@ class Fp8rlOptions:
         if unknown:
             raise ValueError(f"{ENV_VAR} has unknown option(s) {sorted(unknown)}")
         return cls(**data)
+
+
+def lazy_deepgemm_compile() -> None:
+    """Default SGLANG_JIT_DEEPGEMM_PRECOMPILE to 0 for our quantization (a user's explicit value wins).
+
+    SGLang's default compiles DeepGEMM for every M up to 16k per (N, K) at the first call (about a minute per shape
+    on a cold cache); lazily, only the kernels a run actually launches (CUDA-graph batch sizes, prefill chunks) are
+    compiled. Spawned scheduler processes inherit the variable."""
+    os.environ.setdefault(DEEPGEMM_PRECOMPILE_ENV, "0")
 
 
 def set_options(options: Fp8rlOptions | None = None, **kwargs: Any) -> Fp8rlOptions:
@@ -98,6 +117,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--fp8rl-scale-format", choices=SCALE_FORMATS, default="fp32",
         help="Weight scales: exact amax/448 in float32, or rounded up to a power of two (pow2).",
     )
+    group.add_argument(
+        "--fp8rl-gemm-select", choices=GEMM_SELECT_MODES, default="auto",
+        help="Block-FP8 GEMM per (M bucket, N, K): auto = measure missing shapes at load (cached on disk), "
+             "cache = use cached measurements only, off = always SGLang's own dispatch.",
+    )
+    group.add_argument(
+        "--fp8rl-gemm-tune-budget-s", type=float, default=20.0, metavar="S",
+        help="Wall-time budget of the load-time GEMM measurement (auto mode); unmeasured shapes use SGLang's GEMM.",
+    )
 
 
 def options_from_namespace(args: argparse.Namespace) -> Fp8rlOptions:
@@ -107,6 +135,8 @@ def options_from_namespace(args: argparse.Namespace) -> Fp8rlOptions:
         bf16_last_layers=getattr(args, "fp8rl_bf16_last_layers", 0),
         ignore=tuple(getattr(args, "fp8rl_ignore", None) or ()),
         scale_format=getattr(args, "fp8rl_scale_format", "fp32"),
+        gemm_select=getattr(args, "fp8rl_gemm_select", "auto"),
+        gemm_tune_budget_s=getattr(args, "fp8rl_gemm_tune_budget_s", 20.0),
     )
 
 
@@ -127,6 +157,8 @@ def install_server_args_hooks() -> None:
         options = options_from_namespace(args)  # validate before SGLang starts any work
         server_args = original_from(cls, args)
         set_options(options)
+        if getattr(server_args, "quantization", None) == QUANTIZATION_NAME:
+            lazy_deepgemm_compile()
         return server_args
 
     ServerArgs.add_cli_args = staticmethod(add_cli_args_with_fp8rl)

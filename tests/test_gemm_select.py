@@ -1,9 +1,10 @@
-"""CPU checks of sglang_fp8rl.kernels.gemm_select (the opt-in per-shape block-FP8 GEMM selection, issue 8).
+"""CPU checks of sglang_fp8rl.kernels.gemm_select (per-shape block-FP8 GEMM selection, measured at load).
 
 Covered here: M bucketing, cache keys / versioning / invalidation, the JSON round trip, the lookup and its fallback,
-the selection rule, the log table, the float64 block-scaled reference (against brute-force loops), and the linear
-method being unchanged unless FP8RL_GEMM_SELECT=1. Not covered (needs a GPU): the candidates themselves, the
-CUDA-graph timing, set_num_sms inside graph capture, the autotune's wall time.
+the selection rule, the log table, the float64 block-scaled reference (against brute-force loops), the autotune loop
+(fake candidates and timer), prepare_model in each --fp8rl-gemm-select mode, and the linear method calling SGLang's
+dispatch unchanged when the mode is off or nothing is cached. The real candidates, the CUDA-graph timing and
+set_num_sms inside graph capture are GPU tests (tests/gpu/test_block_gemm.py, scripts/bench_gemm.py).
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ import torch
 from sglang_fp8rl import quant
 from sglang_fp8rl.kernels import gemm_select as gs
 from sglang_fp8rl.layers.linear import Fp8OnlineBlockwiseLinearMethod
+from sglang_fp8rl.server_args import ENV_VAR, Fp8rlOptions
+
+
+def set_mode(monkeypatch, mode: str, budget: float = 20.0) -> None:
+    monkeypatch.setenv(ENV_VAR, Fp8rlOptions(gemm_select=mode, gemm_tune_budget_s=budget).to_json())
 
 
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch, tmp_path):
-    for var in (gs.ENV_ENABLE, gs.ENV_AUTOTUNE, gs.ENV_SMS, gs.ENV_MAX_M, gs.ENV_BUDGET):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.setenv(gs.ENV_CACHE, str(tmp_path / "cache" / "gemm_select.json"))
     gs.reset_state()
     yield
@@ -86,7 +91,7 @@ def test_bucket_points():
 # cache keying, versioning, round trip
 
 INFO = {"gpu": "NVIDIA H100 80GB HBM3", "capability": "9.0", "sms": "132", "torch": "2.11.0+cu130",
-        "triton": "3.6.0", "sglang": "0.5.17", "sgl_kernel": "0.4.5", "deep_gemm": "0.1.5.post1", "schema": "1"}
+        "triton": "3.6.0", "sglang": "0.5.17", "sgl_kernel": "0.4.5", "deep_gemm": "0.1.5.post1", "sglang_fp8rl": "0.1.0", "schema": "2"}
 
 
 def entry(choice: str, us: dict, rejected=None, names=None) -> dict:
@@ -162,10 +167,11 @@ def test_versions_invalidate(tmp_path):
 def test_select_lookup_and_fallbacks():
     names = gs.candidate_names()
     assert names[0] == gs.DEFAULT and names == ["deepgemm_default", "deepgemm_sms_124", "deepgemm_sms_112",
-                                                "deepgemm_sms_96", "triton_default"]
+                                                "triton_default", "fp8rl_n64_sk1", "fp8rl_n64_sk2", "fp8rl_n64_sk4",
+                                                "fp8rl_n128_sk1"]
     entries = {
         gs.shape_key(24576, 4096, 112): entry("deepgemm_sms_112", {}),
-        gs.shape_key(24576, 4096, 128): entry("deepgemm_sms_96", {}, names=names[:-1]),  # other candidate set
+        gs.shape_key(24576, 4096, 128): entry("deepgemm_sms_124", {}, names=names[:-1]),  # other candidate set
         gs.shape_key(4096, 4096, 128): entry("deepgemm_sms_7", {}),  # unknown name
     }
     assert gs.select(100, 24576, 4096, entries, names) == "deepgemm_sms_112"  # bucket 112
@@ -185,10 +191,9 @@ def test_select_reads_the_cache_file_of_this_environment():
     assert gs.select(120, 24576, 4096) == "deepgemm_sms_124"
 
 
-def test_sms_env_changes_candidate_set(monkeypatch):
-    monkeypatch.setenv(gs.ENV_SMS, "120, 100")
-    assert gs.sms_from_env() == (120, 100)
-    assert gs.candidate_names() == ["deepgemm_default", "deepgemm_sms_120", "deepgemm_sms_100", "triton_default"]
+def test_candidate_set_is_configurable():
+    assert list(gs.make_candidates((120, 100), triton=False, ours=((128, 1),))) == [
+        "deepgemm_default", "deepgemm_sms_120", "deepgemm_sms_100", "fp8rl_n128_sk1"]
 
 
 def test_choose():
@@ -214,6 +219,10 @@ def test_unsupported_reason():
     assert "Triton" in gs.unsupported_reason(s124, 4096 + 32, 4096, 132, True, False)
     assert "Triton" in gs.unsupported_reason(s124, 4096, 4096 + 64, 132, True, False)
     assert "num_sms" in gs.unsupported_reason(s132, 4096, 4096, 132, True, False)
+    ours = gs.make_candidates()["fp8rl_n64_sk2"]
+    assert gs.unsupported_reason(ours, 4096, 4096, 132, False, False, m=128) is None  # needs no DeepGEMM
+    assert "M 129" in gs.unsupported_reason(ours, 4096, 4096, 132, True, False, m=129)
+    assert "K 4000" in gs.unsupported_reason(ours, 4096, 4000, 132, True, False, m=8)
 
 
 def test_format_table():
@@ -333,10 +342,8 @@ def same_kwargs(got, want):
     return got.keys() == want.keys() and all(got[key] is want[key] or got[key] == want[key] for key in want)
 
 
-@pytest.mark.parametrize("value", [None, "0", "", "true"])
-def test_linear_unchanged_without_flag(monkeypatch, value):
-    if value is not None:
-        monkeypatch.setenv(gs.ENV_ENABLE, value)
+def test_linear_unchanged_when_off(monkeypatch):
+    set_mode(monkeypatch, "off")
 
     def boom(*a, **k):
         raise AssertionError("the selector must not run")
@@ -349,8 +356,10 @@ def test_linear_unchanged_without_flag(monkeypatch, value):
     assert args == () and same_kwargs(kwargs, expected_kwargs(layer, x))
 
 
-def test_linear_with_flag_and_empty_cache_calls_sglang_identically(monkeypatch):
-    monkeypatch.setenv(gs.ENV_ENABLE, "1")
+@pytest.mark.parametrize("mode", [None, "auto", "cache"])
+def test_linear_with_empty_cache_calls_sglang_identically(monkeypatch, mode):
+    if mode is not None:
+        set_mode(monkeypatch, mode)
     default = Recorder("sglang")
     out, layer, x = run_block_apply(default)
     assert out == "sglang" and len(default.calls) == 1
@@ -358,8 +367,7 @@ def test_linear_with_flag_and_empty_cache_calls_sglang_identically(monkeypatch):
     assert args == () and same_kwargs(kwargs, expected_kwargs(layer, x))
 
 
-def test_linear_with_flag_uses_cached_choice(monkeypatch):
-    monkeypatch.setenv(gs.ENV_ENABLE, "1")
+def test_linear_uses_cached_choice(monkeypatch):
     names = gs.candidate_names()
     gs.merge_entries(None, gs.env_info(), {gs.shape_key(256, 512, 8): entry("deepgemm_sms_112", {}, names=names)})
     picked = Recorder("sms112")
@@ -451,7 +459,7 @@ def test_autotune_points_skip_budget_and_order():
     assert gs.autotune([(256, 384)], max_m=8, candidates=cands, device="cpu", timer=fake_timer(last),
                        budget_s=-1, log=lambda s: None) == {}
     reordered = {"fast": cands["fast"], gs.DEFAULT: cands[gs.DEFAULT]}
-    with pytest.raises(AssertionError, match="first"):
+    with pytest.raises(ValueError, match="first"):
         gs.autotune([(256, 384)], max_m=1, candidates=reordered, device="cpu", timer=fake_timer(last))
 
 
@@ -499,3 +507,113 @@ def test_bench_shapes_and_markdown():
     assert lines[4] == ("| gate_up | 128 | 77.6 | 103.6 (x0.75) | 44.0 (x1.76) | n/a | 59.8 (x1.30) FAIL | "
                         "deepgemm_sms_124 |")
     assert lines[-1].startswith("| gate_up | 128 | 50%, 100 (10%) |") and "n/a" in lines[-1]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# prepare_model: what runs once after load, in each --fp8rl-gemm-select mode
+
+
+def fake_model(shapes, block=(128, 128), device="cpu"):
+    model = torch.nn.Module()
+    for i, (n, k) in enumerate(shapes):
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.zeros(n, k, dtype=quant.FP8_DTYPE, device=device), requires_grad=False)
+        layer._fp8rl = types.SimpleNamespace(block_size=block, is_block=True)
+        model.add_module(f"l{i}", layer)
+    channel = torch.nn.Module()  # a per-channel fallback layer is never tuned
+    channel.weight = torch.nn.Parameter(torch.zeros(384, 256, dtype=quant.FP8_DTYPE), requires_grad=False)
+    channel._fp8rl = types.SimpleNamespace(block_size=block, is_block=False)
+    model.add_module("channel", channel)
+    model.add_module("norm", torch.nn.LayerNorm(8))
+    return model
+
+
+def test_model_block_shapes():
+    model = fake_model([(256, 384), (256, 384), (128, 256)])
+    assert gs.model_block_shapes(model, "cpu") == [(128, 256), (256, 384)]
+    assert gs.model_block_shapes(model) == []  # CPU weights: nothing to tune on CUDA
+    assert gs.model_block_shapes(fake_model([(256, 384)], block=(64, 64)), "cpu") == []
+
+
+def install_fake_tuning(monkeypatch, calls):
+    last: list = []
+    cands = make_fake_candidates(last)
+    monkeypatch.setattr(gs, "registry", lambda: cands)
+    monkeypatch.setattr(gs, "model_block_shapes", lambda model: gs.__dict__["_real_shapes"](model, "cpu"))
+    real = gs.autotune
+
+    def autotune(shapes, **kw):
+        calls.append((list(shapes), sorted(kw["skip"]), kw["budget_s"]))
+        return real(shapes, device="cpu", timer=fake_timer(last), log=lambda s: None, **kw)
+
+    monkeypatch.setattr(gs, "autotune", autotune)
+    return cands
+
+
+@pytest.fixture
+def shapes_on_cpu(monkeypatch):
+    monkeypatch.setitem(gs.__dict__, "_real_shapes", gs.model_block_shapes)
+
+
+def test_prepare_model_auto_measures_missing_then_reads_the_cache(monkeypatch, shapes_on_cpu, caplog):
+    set_mode(monkeypatch, "auto", budget=30.0)
+    calls: list = []
+    cands = install_fake_tuning(monkeypatch, calls)
+    model = fake_model([(256, 384)])
+    with caplog.at_level("INFO", logger=gs.__name__):
+        got = gs.prepare_model(model, max_m=8)
+    assert calls == [([(256, 384)], [], 30.0)]
+    assert sorted(got) == sorted(gs.shape_key(256, 384, b) for b in (1, 2, 4, 8))
+    assert all(e["choice"] == "fast" for e in got.values())
+    table = [r for r in caplog.records if "gemm_select (auto" in r.getMessage()]
+    assert len(table) == 1 and "| 256 | 384 | 8 | fast |" in table[0].getMessage()
+    assert gs.select(3, 256, 384, names=list(cands)) == "fast"  # the apply path sees it
+    # a new process (fresh state) with the same cache: nothing is measured again
+    gs.reset_state()
+    calls.clear()
+    assert sorted(gs.prepare_model(model, max_m=8)) == sorted(got)
+    assert calls == []
+
+
+def test_prepare_model_measures_only_what_is_missing(monkeypatch, shapes_on_cpu):
+    set_mode(monkeypatch, "auto")
+    calls: list = []
+    install_fake_tuning(monkeypatch, calls)
+    gs.prepare_model(fake_model([(256, 384)]), max_m=4)
+    gs.reset_state()
+    calls.clear()
+    got = gs.prepare_model(fake_model([(256, 384), (128, 256)]), max_m=4)
+    assert calls == [([(128, 256), (256, 384)], sorted(gs.shape_key(256, 384, b) for b in (1, 2, 4)), 20.0)]
+    assert len(got) == 6
+
+
+@pytest.mark.parametrize("mode", ["cache", "off"])
+def test_prepare_model_never_measures_in_cache_or_off_mode(monkeypatch, shapes_on_cpu, mode):
+    set_mode(monkeypatch, mode)
+    calls: list = []
+    cands = install_fake_tuning(monkeypatch, calls)
+    key = gs.shape_key(256, 384, 2)
+    gs.merge_entries(None, gs.env_info(), {key: entry("fast", {}, names=list(cands))})
+    got = gs.prepare_model(fake_model([(256, 384)]), max_m=4)
+    assert calls == []
+    assert got == ({} if mode == "off" else {key: gs.env_entries(gs.load_cache(), gs.env_info())[key]})
+
+
+def test_prepare_model_zero_budget_keeps_sglang(monkeypatch, shapes_on_cpu):
+    set_mode(monkeypatch, "auto", budget=0.0)
+    calls: list = []
+    install_fake_tuning(monkeypatch, calls)
+    assert gs.prepare_model(fake_model([(256, 384)]), max_m=4) == {} and calls == []
+
+
+def test_prepare_model_unwritable_cache_keeps_choices(monkeypatch, shapes_on_cpu, tmp_path, caplog):
+    set_mode(monkeypatch, "auto")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv(gs.ENV_CACHE, str(blocker / "sub" / "gemm_select.json"))  # parent is a file
+    calls: list = []
+    cands = install_fake_tuning(monkeypatch, calls)
+    with caplog.at_level("WARNING", logger=gs.__name__):
+        got = gs.prepare_model(fake_model([(256, 384)]), max_m=2)
+    assert len(got) == 2 and "could not write the cache" in caplog.text
+    assert gs.select(2, 256, 384, names=list(cands)) == "fast"

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from importlib.metadata import entry_points
 
 import pytest
 from sgl_model import TINY, write_checkpoint
 
 from sglang_fp8rl import plugin
-from sglang_fp8rl.server_args import ENV_VAR, Fp8rlOptions, get_options
+from sglang_fp8rl.server_args import DEEPGEMM_PRECOMPILE_ENV, ENV_VAR, Fp8rlOptions, get_options
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +63,32 @@ def test_prepare_server_args_parses_our_options(plugins_loaded, model_dir, monke
     from sglang.srt.server_args import prepare_server_args
 
     monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv(DEEPGEMM_PRECOMPILE_ENV, raising=False)
     sa = prepare_server_args([
         "--model-path", model_dir, "--device", "cpu", "--quantization", "fp8_online_blockwise",
         "--fp8rl-bf16-first-layers", "2", "--fp8rl-bf16-last-layers", "1", "--fp8rl-ignore", r"o_proj$",
-        "--fp8rl-ignore", "layers\\.5\\.", "--fp8rl-scale-format", "pow2",
+        "--fp8rl-ignore", "layers\\.5\\.", "--fp8rl-scale-format", "pow2", "--fp8rl-gemm-select", "cache",
+        "--fp8rl-gemm-tune-budget-s", "7.5",
     ])
     assert sa.quantization == "fp8_online_blockwise"
-    assert get_options() == Fp8rlOptions(2, 1, (r"o_proj$", "layers\\.5\\."), "pow2")
+    assert get_options() == Fp8rlOptions(2, 1, (r"o_proj$", "layers\\.5\\."), "pow2", "cache", 7.5)
+    assert os.environ[DEEPGEMM_PRECOMPILE_ENV] == "0"  # lazy DeepGEMM JIT for our quantization
+
+
+@pytest.mark.parametrize("quantization, preset, expected", [
+    ("fp8_online_blockwise", "1", "1"),  # the user's explicit choice wins
+    (None, None, None),  # other servers are left alone
+])
+def test_deepgemm_precompile_default(plugins_loaded, model_dir, monkeypatch, quantization, preset, expected):
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv(DEEPGEMM_PRECOMPILE_ENV, raising=False)
+    if preset is not None:
+        monkeypatch.setenv(DEEPGEMM_PRECOMPILE_ENV, preset)
+    argv = ["--model-path", model_dir, "--device", "cpu"]
+    prepare_server_args(argv + (["--quantization", quantization] if quantization else []))
+    assert os.environ.get(DEEPGEMM_PRECOMPILE_ENV) == expected
 
 
 def test_bad_option_value_fails_before_sglang_starts(plugins_loaded, model_dir, monkeypatch):
@@ -88,7 +108,8 @@ def test_options_appear_in_help(plugins_loaded):
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     text = parser.format_help()
-    for option in ("--fp8rl-bf16-first-layers", "--fp8rl-bf16-last-layers", "--fp8rl-ignore", "--fp8rl-scale-format"):
+    for option in ("--fp8rl-bf16-first-layers", "--fp8rl-bf16-last-layers", "--fp8rl-ignore", "--fp8rl-scale-format",
+                   "--fp8rl-gemm-select", "--fp8rl-gemm-tune-budget-s"):
         assert option in text
     assert "fp8_online_blockwise" in text
 
@@ -126,3 +147,9 @@ def test_options_env_round_trip_and_validation(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         get_options()
+    for bad, message in ((dict(gemm_select="fast"), "--fp8rl-gemm-select must be one of"),
+                         (dict(gemm_tune_budget_s=-1.0), "--fp8rl-gemm-tune-budget-s must be"),
+                         (dict(gemm_tune_budget_s=float("nan")), "--fp8rl-gemm-tune-budget-s must be"),
+                         (dict(gemm_tune_budget_s=True), "--fp8rl-gemm-tune-budget-s must be")):
+        with pytest.raises(ValueError, match=message):
+            Fp8rlOptions(**bad)

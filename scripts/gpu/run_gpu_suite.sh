@@ -13,6 +13,8 @@
 #   moe       scripts/bench_rollout.py --moe (Qwen3-30B-A3B shapes, bs 32 64, out 512, mem 0.88) (~6-9 min: own call)
 #   server    scripts/gpu/check_server.py on qwen3-small (launch_server + weight updates over HTTP)
 #   quant     scripts/bench_quant.py --json $WORK/bench_quant.json (quantization kernel micro-benchmark)
+#   gemm      scripts/bench_gemm.py: per-shape block-FP8 GEMM candidates vs BF16 (Qwen3-8B shapes); GEMM_ARGS
+#   startup   scripts/bench_startup.py: cold/warm launch_server start, BF16 vs fp8_online_blockwise (Qwen3-8B)
 #   update    $UPDATE_SCRIPT (default scripts/bench_update.py): full-model update of Qwen3-8B shapes, BF16 vs
 #             fp8_online_blockwise server, by tensor (CUDA IPC) and from disk; UPDATE_ARGS e.g. "--model qwen3-small"
 #             or "--skip-disk"                                                    (~7-9 min: own call)
@@ -35,7 +37,7 @@
 # moe_results.json, profile_top_kernels.txt; the first 6 that exist, the rest only inside the tgz).
 # stdout ends with the summary (stage table + each stage's own table).
 # Env: OUT, WORK, DEADLINE (s from start; 570), T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
-#      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, UPDATE_ARGS (extra args per script), UPDATE_SCRIPT.
+#      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, UPDATE_ARGS, GEMM_ARGS, STARTUP_ARGS (extra args per script), UPDATE_SCRIPT.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 T0=$(date +%s)
@@ -122,6 +124,11 @@ for st in "$@"; do
       run_stage server 120 420 $PY scripts/gpu/check_server.py --model-dir "$MODELS" --out "$WORK/server" ;;
     quant)
       run_stage quant 60 240 $PY scripts/bench_quant.py --json "$WORK/bench_quant.json" ;;
+    gemm)
+      run_stage gemm 90 420 $PY scripts/bench_gemm.py --json "$WORK/bench_gemm.json" ${GEMM_ARGS:-} ;;
+    startup)
+      $PY scripts/gpu/make_models.py "$MODELS" qwen3-8b >/dev/null
+      run_stage startup 150 560 $PY scripts/bench_startup.py --model-dir "$MODELS" --out "$WORK/startup" ${STARTUP_ARGS:-} ;;
     update)
       us=${UPDATE_SCRIPT:-scripts/bench_update.py}
       if [ -f "$us" ]; then
@@ -152,6 +159,8 @@ SUM=$WORK/suite_summary_$STAMP.md
       server) [ -f "$WORK/server/check_server.json" ] && { echo; echo "## server"; cat "$WORK/server/check_server.json"; } ;;
       quant) [ -f "$LOGS/quant.log" ] && { echo; echo "## quant"; tail -40 "$LOGS/quant.log"; } ;;
       update) [ -f "$WORK/update/summary.md" ] && { echo; echo "## update"; cat "$WORK/update/summary.md"; } ;;
+      startup) [ -f "$WORK/startup/summary.md" ] && { echo; cat "$WORK/startup/summary.md"; } ;;
+      gemm) [ -f "$LOGS/gemm.log" ] && { echo; echo "## gemm"; grep -E "^\||^copy" "$LOGS/gemm.log" | head -60; } ;;
     esac
   done
 } > "$SUM"
@@ -160,7 +169,8 @@ cp "$SUM" "$OUT/suite_summary.md"
 NCOPY=0
 for pair in rollout/results.json:rollout_results.json accuracy/accuracy.json:accuracy.json accuracy/accuracy.png:accuracy.png \
             server/check_server.json:check_server.json bench_quant.json:bench_quant.json moe/results.json:moe_results.json profile/profile_top_kernels.txt:profile_top_kernels.txt \
-            update/update_results.json:update_results.json; do
+            update/update_results.json:update_results.json startup/startup_results.json:startup_results.json \
+            bench_gemm.json:bench_gemm.json; do
   src=$WORK/${pair%%:*}
   if [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && [ "$NCOPY" -lt 6 ]; then  # $OUT returns at most 8 files
     cp "$src" "$OUT/${pair##*:}" && NCOPY=$(( NCOPY + 1 ))

@@ -1,53 +1,33 @@
-"""Per-shape block-FP8 GEMM selection (issue 8): measure, cache on disk, look up at apply time. OPT-IN, UNVERIFIED.
+"""Per-shape block-FP8 GEMM selection: measure at load, cache on disk, look up at apply time.
 
-Status: written without GPU time. Nothing here has run on a GPU yet; the CPU tests cover bucketing, the cache,
-the lookup, the float64 reference and the autotune loop with fake candidates and a fake timer. The real candidates,
-``time_graph`` and everything said below about DeepGEMM and CUDA graphs are unverified. The whole module is inert
-unless ``FP8RL_GEMM_SELECT=1`` (the linear method then consults it; ``FP8RL_GEMM_SELECT_AUTOTUNE=1`` additionally
-lets it tune missing shapes in-process).
-
-What it does. For a block-FP8 linear (weight [N, K] e4m3fn, ``weight_scale_inv`` [N/128, K/128] float32, 1x128
-activation groups quantized inside the candidate) and an M bucket it picks one named candidate:
+For a block-FP8 linear (weight [N, K] e4m3fn, ``weight_scale_inv`` [N/128, K/128] float32, 1x128 activation groups
+quantized inside the candidate) and an M bucket it picks one named candidate:
 
 * ``deepgemm_default``: SGLang's ``dispatch_w8a8_block_fp8_linear()`` (DeepGEMM ``sm90_fp8_gemm_1d2d`` on H100),
-  i.e. exactly the unchanged path; also the fallback whenever nothing valid is cached;
-* ``deepgemm_sms_{n}``: the same SGLang call inside SGLang's own ``deep_gemm_wrapper.configure_deep_gemm_num_sms(n)``
-  (``deep_gemm.set_num_sms(n)`` before, the previous value restored after). Measured on H100
-  (``shared/research/gpu_gemm_micro.md``): gate_up N=24576 K=4096 at M=128 runs 101 us with DeepGEMM's own choice
-  (a register-spilling 128x192, no-multicast tile) and 42 us with ``set_num_sms(<=124)`` (128x112 / 128x128);
-* ``triton_default``: SGLang's ``triton_w8a8_block_fp8_linear`` (default config unless SGLang ships a tuned one).
+  i.e. exactly SGLang's path; also the fallback whenever nothing valid is cached;
+* ``deepgemm_sms_{n}``: the same call inside SGLang's ``deep_gemm_wrapper.configure_deep_gemm_num_sms(n)``. DeepGEMM's
+  heuristic then picks another tile: for gate_up (N=24576, K=4096) at M 96-128 its own choice is a register-spilling
+  128x192 tile without multicast (101 us), while with ``num_sms <= 124`` it picks 128x112 / 128x128 (42 us;
+  ``shared/research/gpu_gemm_micro.md``). ``num_sms`` is host state read when the launch is built, so a captured CUDA
+  graph keeps the launch it recorded;
+* ``triton_default``: SGLang's ``triton_w8a8_block_fp8_linear``;
+* ``fp8rl_n{64,128}_sk{1,2,4}``: our decode kernel (:mod:`sglang_fp8rl.kernels.block_gemm`, swap-AB, deterministic
+  split-K) after SGLang's 1x128 activation quantization; M <= 128 only.
 
-Why ``set_num_sms`` is safe inside CUDA-graph capture (reasoning, not yet tested): in DeepGEMM ``num_sms`` is a
-host-side int of its device runtime (``set_num_sms`` asserts ``0 <= n <= multiProcessorCount`` and stores it); it is
-read on the host when ``fp8_gemm_nt`` picks its config, JIT-compiles/loads the cubin (``num_sms`` is a template
-argument) and sets the persistent grid. Capture records that launch; replay never re-reads host state. SGLang itself
-wraps captured DeepGEMM calls in the same context manager (masked grouped GEMM with overlap args). Two conditions:
-the set/restore must bracket each call (the context manager does, also on exceptions), and the cubin for the
-(config, num_sms) must already be compiled before capture: the autotune runs every candidate eagerly at the bucket
-M, and SGLang's eager warm-up runs before each capture compile any other M lazily, as on the default path.
-Ordering trap: with ``SGLANG_JIT_DEEPGEMM_PRECOMPILE=1`` SGLang's first DeepGEMM call for an (N, K) precompiles all
-Ms under the *current* ``num_sms``; the autotune therefore always runs ``deepgemm_default`` first for each shape.
+When: :func:`prepare_model` runs once after the model is loaded and before CUDA graphs are captured. It looks up
+every (N, K) of the model's blockwise layers on this rank in the cache (keyed by GPU, SM count and the versions of
+torch / triton / sglang / deep_gemm), measures what is missing (mode ``auto``) within a wall budget, writes the
+cache, and logs the table once. Buckets are measured largest weight first, so a budget cut leaves the small shapes
+on the default. Each measurement: a first eager call (JIT), a float64 check of the block-scaled product on one column
+per 16, then a CUDA-graph timing with the weights rotated out of L2. A candidate that fails the check or raises is
+rejected for that entry; a non-default one must beat the default by ``MIN_GAIN``.
 
-Buckets (``m_bucket``): the smallest of 1, 2, 4, 8, 16, 32, 48, ..., 256 (multiples of 16), 320, 384, 448, 512, then
-powers of two, that is >= m. SGLang's decode CUDA graphs use bs 1, 2, 4, 8, 12, 16, 24, ..., 256 (step 8), so every
-captured bs maps to one bucket and the 128 / 129 DeepGEMM cliff is a bucket edge. A bucket is measured at its upper
-edge M only (``points="upper"``) unless ``points="both"`` also measures lower edge + 1 and sums the two.
+Modes (``--fp8rl-gemm-select``): ``auto`` (default) tune what is missing at load; ``cache`` only use cached choices;
+``off`` always SGLang's dispatch.
 
-Startup budget (estimate, unverified). Default autotune: the model's own (N, K) set, buckets up to
-``FP8RL_GEMM_SELECT_MAX_M`` (256: 20 buckets), 5 candidates. One measurement = eager warm calls, a float64 check
-(~1-3 ms), a graph capture of ~48 calls (host ~3-5 ms) and 9 replays of 48 x 10-100 us: ~10-50 ms. Qwen3-8B at TP 1
-(4 shapes) = 400 measurements ~= 5-20 s: inside 30 s only with warm JIT caches. JIT is extra and dominates a cold
-start: DeepGEMM 2-6 s per new cubin (one per distinct tile config x num_sms; the micro-benchmark saw 15 cubins for the
-default path on 4 shapes x 6 Ms, so the 3 num_sms variants over 20 buckets could add tens of cubins = minutes), Triton
-~9 s per kernel config. Both persist on disk (``SGLANG_DG_CACHE_DIR``, the Triton cache), and so do this module's
-entries. Hence: (1) tune offline once per machine/version with ``scripts/bench_gemm.py --tune`` (that also fills the
-JIT caches), so a server start only reads the JSON; (2) the in-server lazy autotune (``FP8RL_GEMM_SELECT_AUTOTUNE=1``)
-has a hard wall budget ``FP8RL_GEMM_SELECT_BUDGET_S`` (25 s): no new (shape, bucket) starts after it (one bucket
-with cold JITs may overshoot), unmeasured entries fall back to the default and are measured on a later start;
-(3) once measured, prune ``FP8RL_GEMM_SELECT_SMS`` to the variants that ever win.
-
-Selection rule: among candidates that passed the float64 check, the fastest; a non-default candidate must beat
-``deepgemm_default`` by ``min_gain`` (3 %) or the default stays (noise guard).
+Buckets (``m_bucket``): 1, 2, 4, 8, then multiples of 16 up to 256, then 320, 384, 448, 512, then powers of two.
+SGLang's decode CUDA graphs use bs 1, 2, 4, 8, 12, 16, 24, ..., 256, so every captured bs maps to one bucket and the
+128 / 129 DeepGEMM edge is a bucket edge. A bucket is measured at its upper edge (``points="upper"``).
 """
 
 from __future__ import annotations
@@ -64,27 +44,25 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-ENV_ENABLE = "FP8RL_GEMM_SELECT"  # "1": use the cached selection in the linear apply (default: off)
-ENV_AUTOTUNE = "FP8RL_GEMM_SELECT_AUTOTUNE"  # "1": tune missing shapes lazily at their first eager call
-ENV_CACHE = "FP8RL_GEMM_SELECT_CACHE"  # path of the JSON cache
-ENV_MAX_M = "FP8RL_GEMM_SELECT_MAX_M"  # largest bucket tuned (default 256)
-ENV_BUDGET = "FP8RL_GEMM_SELECT_BUDGET_S"  # wall budget of one autotune call (default 25)
-ENV_SMS = "FP8RL_GEMM_SELECT_SMS"  # comma list of num_sms candidates (default 124,112,96)
+ENV_CACHE = "FP8RL_GEMM_SELECT_CACHE"  # path of the JSON cache (default ~/.cache/sglang_fp8rl/gemm_select.json)
 
-SCHEMA = 1
+MODES = ("auto", "cache", "off")
+SCHEMA = 2
 DEFAULT = "deepgemm_default"
 TRITON = "triton_default"
 SMS_PREFIX = "deepgemm_sms_"
-DEFAULT_SMS = (124, 112, 96)
+OURS_PREFIX = "fp8rl_"
+DEFAULT_SMS = (124, 112)
+OURS_CONFIGS = ((64, 1), (64, 2), (64, 4), (128, 1))  # (block_n, split_k) of block_gemm
+OURS_MAX_M = 128
 DEFAULT_MAX_M = 256
-DEFAULT_BUDGET_S = 25.0
+DEFAULT_BUDGET_S = 20.0
 REL_TOL = 1e-2  # rel. Frobenius error vs the float64 block-scaled product; measured 1.7e-3 for DeepGEMM/Triton
 MIN_GAIN = 0.03
 BLOCK = (128, 128)
 
-# process state: the cached entries of this environment, shapes tuned here, the registry, SGLang's default linear
-_STATE: dict[str, Any] = {"entries": None, "info": None, "tuned": set(), "logged": False, "registry": None,
-                          "default_linear": None}
+# process state: the cached entries of this environment, the registry, SGLang's default linear, the log flag
+_STATE: dict[str, Any] = {"entries": None, "info": None, "registry": None, "default_linear": None, "logged": False}
 
 _SMALL = (1, 2, 4, 8)
 _BUCKETS = _SMALL + tuple(range(16, 257, 16)) + (320, 384, 448, 512)
@@ -124,23 +102,14 @@ def bucket_points(bucket: int, points: str = "upper") -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# environment, flags
+# mode, environment
 
 
-def enabled() -> bool:
-    """``FP8RL_GEMM_SELECT=1``: the linear apply consults the selection (read per call; default off)."""
-    return os.environ.get(ENV_ENABLE, "0").strip() == "1"
+def mode() -> str:
+    """``--fp8rl-gemm-select`` of this process: auto (default), cache or off."""
+    from sglang_fp8rl.server_args import get_options
 
-
-def autotune_enabled() -> bool:
-    return os.environ.get(ENV_AUTOTUNE, "0").strip() == "1"
-
-
-def sms_from_env() -> tuple[int, ...]:
-    raw = os.environ.get(ENV_SMS, "").strip()
-    if not raw:
-        return DEFAULT_SMS
-    return tuple(int(v) for v in raw.split(",") if v.strip())
+    return get_options().gemm_select
 
 
 def cache_path() -> str:
@@ -173,6 +142,7 @@ def env_info(device=None) -> dict[str, str]:
         "sglang": _dist_version("sglang"),
         "sgl_kernel": _dist_version("sgl-kernel", "sgl_kernel"),
         "deep_gemm": _dist_version("sgl-deep-gemm", "deep_gemm", "deep-gemm"),
+        "sglang_fp8rl": _dist_version("sglang-fp8rl"),
         "schema": str(SCHEMA),
     })
     return info
@@ -330,6 +300,7 @@ class Candidate:
     fn: Callable  # (x [.., K] bf16, weight [N, K] fp8, weight_scale_inv [N/128, K/128] fp32, bias | None) -> [.., N]
     needs_deepgemm: bool = False
     num_sms: int | None = None
+    max_m: int | None = None  # largest M it is measured / used for
 
 
 def _sglang_block_call(fn, x, weight, scale, bias):
@@ -362,23 +333,47 @@ def _triton_fn(x, weight, scale, bias):
     return _sglang_block_call(triton_w8a8_block_fp8_linear, x, weight, scale, bias)
 
 
-def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = True) -> dict[str, Candidate]:
-    """The registry: default first (the autotune relies on that order), then num_sms variants, then Triton."""
+def _ours_fn(block_n: int, split_k: int):
+    def fn(x, weight, scale, bias):
+        from sglang.kernels.ops.quantization.fp8_kernel import sglang_per_token_group_quant_fp8
+
+        from sglang_fp8rl.kernels.block_gemm import block_fp8_gemm
+
+        x2d = x.reshape(-1, x.shape[-1])
+        xq, xs = sglang_per_token_group_quant_fp8(x2d.contiguous(), BLOCK[1])  # row-major [M, K/128] scales
+        out = block_fp8_gemm(xq, xs, weight, scale, x.dtype, bias, block_n=block_n, split_k=split_k)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    fn.__name__ = f"{OURS_PREFIX}n{block_n}_sk{split_k}"
+    return fn
+
+
+def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = True,
+                    ours: Sequence[tuple[int, int]] = OURS_CONFIGS) -> dict[str, Candidate]:
+    """The registry: default first (the autotune relies on that order), num_sms variants, Triton, ours."""
     reg = {DEFAULT: Candidate(DEFAULT, _default_fn)}
     for n in sms:
         reg[f"{SMS_PREFIX}{n}"] = Candidate(f"{SMS_PREFIX}{n}", _sms_fn(int(n)), needs_deepgemm=True, num_sms=int(n))
     if triton:
         reg[TRITON] = Candidate(TRITON, _triton_fn)
+    for block_n, split_k in ours:
+        name = f"{OURS_PREFIX}n{block_n}_sk{split_k}"
+        reg[name] = Candidate(name, _ours_fn(block_n, split_k), max_m=OURS_MAX_M)
     return reg
 
 
-def candidate_names(sms: Sequence[int] | None = None) -> list[str]:
-    return list(make_candidates(sms_from_env() if sms is None else sms))
+def candidate_names() -> list[str]:
+    return list(make_candidates())
 
 
-def unsupported_reason(c: Candidate, n: int, k: int, device_sms: int, deepgemm_ok: bool, ue8m0: bool) -> str | None:
-    """Why ``c`` cannot run (n, k) as itself, or None. DeepGEMM variants need SGLang's DeepGEMM path to be taken
+def unsupported_reason(c: Candidate, n: int, k: int, device_sms: int, deepgemm_ok: bool, ue8m0: bool,
+                       m: int | None = None) -> str | None:
+    """Why ``c`` cannot run (m, n, k) as itself, or None. DeepGEMM variants need SGLang's DeepGEMM path to be taken
     (N % 64 == 0, K % 128 == 0; otherwise SGLang silently runs Triton) and fp32 scales."""
+    if c.max_m is not None and m is not None and m > c.max_m:
+        return f"M {m} above this candidate's {c.max_m}"
+    if c.name.startswith(OURS_PREFIX) and k % BLOCK[1]:
+        return f"K {k} not a multiple of {BLOCK[1]}"
     if not c.needs_deepgemm:
         return None
     if not deepgemm_ok:
@@ -442,12 +437,31 @@ def random_block_weight(n: int, k: int, device, generator=None, std: float = 0.0
 
 
 def _deepgemm_flags() -> tuple[bool, bool]:
+    """(DeepGEMM enabled, DeepGEMM wants UE8M0 scales) as SGLang decided them; (False, False) without DeepGEMM."""
     try:
         from sglang.srt.layers import deep_gemm_wrapper
-
-        return bool(deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM), bool(deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0)
-    except Exception:  # noqa: BLE001 - any import problem means: no DeepGEMM variants
+    except ImportError:
         return False, False
+    return bool(getattr(deep_gemm_wrapper, "ENABLE_JIT_DEEPGEMM", False)), bool(
+        getattr(deep_gemm_wrapper, "DEEPGEMM_SCALE_UE8M0", False))
+
+
+def candidate_errors() -> tuple[type[BaseException], ...]:
+    """What a failing candidate raises (JIT/compile failures, bad launches, shape asserts): it is then rejected."""
+    errors: list[type[BaseException]] = [RuntimeError, ValueError, AssertionError, TypeError, NotImplementedError]
+    try:
+        from triton.compiler.errors import CompilationError
+
+        errors.append(CompilationError)
+    except ImportError:
+        pass
+    try:
+        from triton.runtime.errors import OutOfResources
+
+        errors.append(OutOfResources)
+    except ImportError:
+        pass
+    return tuple(errors)
 
 
 def autotune(
@@ -456,8 +470,8 @@ def autotune(
     candidates: dict[str, Candidate] | None = None,
     budget_s: float = DEFAULT_BUDGET_S,
     rot_bytes: float = 200e6,
-    calls: int = 48,
-    reps: int = 7,
+    calls: int = 24,
+    reps: int = 5,
     points: str = "upper",
     rel_tol: float = REL_TOL,
     min_gain: float = MIN_GAIN,
@@ -469,25 +483,27 @@ def autotune(
 ) -> dict[str, dict]:
     """Measure every candidate for each (N, K) in ``shapes`` and each bucket <= ``max_m``; return new entries.
 
-    Per (N, K): nrot weight copies (>= ``rot_bytes`` in all, so weights are read from HBM, not L2) and activation
-    sets. Per (N, K, bucket, candidate): a first eager call on a fresh x ~ N(0, 1) (JIT; wall time kept as
-    ``first_call_s``), a float64 check of that output (rel. Frobenius error on one column per 16 <= ``rel_tol``,
-    finite; a failure or an exception rejects the candidate for that entry), then a CUDA-graph timing.
-    ``skip``: entries already valid (not re-measured). Stops starting new (shape, bucket) after ``budget_s``.
+    Per (N, K): nrot weight copies (>= ``rot_bytes`` in all, so weights are read from HBM, not L2). Per (N, K,
+    bucket point): one x ~ N(0, 1) and its float64 block-scaled reference on one column per 16; per candidate a first
+    eager call (JIT; wall time kept as ``first_call_s``), the check (rel. Frobenius error <= ``rel_tol``, finite; a
+    failure or an exception from ``candidate_errors()`` rejects the candidate for that entry), then a CUDA-graph
+    timing. ``skip``: entries already valid (not re-measured). No new bucket starts after ``budget_s``.
     ``device``/``timer`` exist for the CPU test of this loop (timer(call, nrot, calls, reps) -> us per call).
     """
     import torch
 
     from sglang_fp8rl.quant import quantize_activation_groups
 
-    cands = candidates if candidates is not None else make_candidates(sms_from_env())
+    cands = candidates if candidates is not None else make_candidates()
     names = list(cands)
-    assert names[0] == DEFAULT, "deepgemm_default must run first (SGLang's DeepGEMM precompile uses num_sms)"
+    if names[0] != DEFAULT:
+        raise ValueError(f"autotune: {DEFAULT} must be the first candidate, got {names[0]}")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     on_cuda = dev.type == "cuda"
     timer = timer or time_graph
     device_sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_cuda else 0
     deepgemm_ok, ue8m0 = _deepgemm_flags() if on_cuda else (False, False)
+    errors = candidate_errors()
 
     def sync():
         if on_cuda:
@@ -501,7 +517,7 @@ def autotune(
         if not todo:
             continue
         if time.time() - t0 > budget_s:
-            log(f"gemm_select: budget {budget_s:.0f}s spent, N={n} K={k} left to a later start")
+            log(f"gemm_select: budget {budget_s:.0f}s spent, N={n} K={k} left on {DEFAULT} until a later start")
             continue
         nrot = int(min(16, max(2, math.ceil(rot_bytes / (n * k)))))
         ws = [random_block_weight(n, k, dev, gen)]
@@ -513,46 +529,53 @@ def autotune(
                 break
             entry = {"choice": DEFAULT, "candidates": names, "us": {}, "rejected": {}, "first_call_s": {},
                      "rel_err": {}, "points": list(bucket_points(b, points)), "time": round(time.time())}
-            for name, c in cands.items():
-                why = unsupported_reason(c, n, k, device_sms, deepgemm_ok, ue8m0)
-                if why:
-                    entry["rejected"][name] = why
-                    continue
-                try:
-                    total = 0.0
-                    for m in entry["points"]:
-                        xs = [torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(nrot)]
-                        t1 = time.time()
-                        o = c.fn(xs[0], ws[0][0], ws[0][1], None)
+            for m in entry["points"]:
+                xs = [torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(nrot)]
+                xq, xsc = quantize_activation_groups(xs[0], BLOCK[1])
+                ref = block_scaled_reference(xq, xsc, ws[0][0], ws[0][1], BLOCK, cols)
+                for name, c in cands.items():
+                    if name in entry["rejected"]:
+                        continue
+                    why = unsupported_reason(c, n, k, device_sms, deepgemm_ok, ue8m0, m)
+                    if why:
+                        entry["rejected"][name] = why
+                        entry["us"].pop(name, None)
+                        continue
+                    try:
+                        entry["us"][name] = entry["us"].get(name, 0.0) + _measure(
+                            c, xs, ws, cols, ref, nrot, calls, reps, rel_tol, timer, sync, entry, m)
+                    except errors as e:
+                        entry["rejected"][name] = f"{type(e).__name__}: {e}"[:300]
+                        entry["us"].pop(name, None)
                         sync()
-                        entry["first_call_s"][name] = round(max(entry["first_call_s"].get(name, 0), time.time() - t1), 3)
-                        xq, xsc = quantize_activation_groups(xs[0], BLOCK[1])
-                        err = rel_error(o[:, cols], block_scaled_reference(xq, xsc, ws[0][0], ws[0][1], BLOCK, cols))
-                        entry["rel_err"][name] = max(err, entry["rel_err"].get(name, 0.0))
-                        if not err <= rel_tol:
-                            raise ValueError(f"rel. error {err:.3g} > {rel_tol} at M={m}")
-                        del o
-
-                        def call(j, xs=xs, c=c, ws=ws, nrot=nrot):
-                            c.fn(xs[j % nrot], ws[j % nrot][0], ws[j % nrot][1], None)
-
-                        total += timer(call, nrot, calls, reps)
-                    entry["us"][name] = total
-                except Exception as e:  # noqa: BLE001 - a failing candidate is rejected, never fatal
-                    entry["rejected"][name] = f"{type(e).__name__}: {e}"[:300]
-                    entry["us"].pop(name, None)
-                    sync()
             entry["choice"] = choose(entry["us"], entry["rejected"], min_gain)
             out[shape_key(n, k, b)] = entry
         del ws
         if on_cuda:
             torch.cuda.empty_cache()
-    log(f"gemm_select: autotuned {len(out)} entries in {time.time() - t0:.1f}s")
+    log(f"gemm_select: measured {len(out)} (N, K, M bucket) entries in {time.time() - t0:.1f}s")
     return out
 
 
+def _measure(c: Candidate, xs, ws, cols, ref, nrot, calls, reps, rel_tol, timer, sync, entry, m) -> float:
+    """First call (timed wall, JIT), float64 check, then the graph timing of one candidate at one M."""
+    t1 = time.time()
+    o = c.fn(xs[0], ws[0][0], ws[0][1], None)
+    sync()
+    entry["first_call_s"][c.name] = round(max(entry["first_call_s"].get(c.name, 0), time.time() - t1), 3)
+    err = rel_error(o[:, cols], ref)
+    entry["rel_err"][c.name] = max(err, entry["rel_err"].get(c.name, 0.0))
+    if not err <= rel_tol:
+        raise ValueError(f"rel. error {err:.3g} > {rel_tol} at M={m}")
+
+    def call(j):
+        c.fn(xs[j % nrot], ws[j % nrot][0], ws[j % nrot][1], None)
+
+    return timer(call, nrot, calls, reps)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# process state and the apply hook used by the linear method (only when FP8RL_GEMM_SELECT=1)
+# process state: tuned once at load (prepare_model), looked up by the linear apply
 
 
 def _state_entries() -> dict[str, dict]:
@@ -565,40 +588,62 @@ def _state_entries() -> dict[str, dict]:
 
 def reset_state() -> None:
     """Forget the in-memory cache and registry (tests, or after writing the cache file)."""
-    _STATE.update({"entries": None, "info": None, "tuned": set(), "logged": False, "registry": None,
-                   "default_linear": None})
+    _STATE.update({"entries": None, "info": None, "registry": None, "default_linear": None, "logged": False})
 
 
 def registry() -> dict[str, Candidate]:
-    """This process's candidates (``FP8RL_GEMM_SELECT_SMS`` read once)."""
+    """This process's candidates."""
     if _STATE["registry"] is None:
-        _STATE["registry"] = make_candidates(sms_from_env())
+        _STATE["registry"] = make_candidates()
     return _STATE["registry"]
 
 
-def _maybe_autotune(n: int, k: int) -> None:
-    """Tune (n, k) once per process when FP8RL_GEMM_SELECT_AUTOTUNE=1, never during CUDA-graph capture."""
-    import torch
+def model_block_shapes(model, device_type: str = "cuda") -> list[tuple[int, int]]:
+    """(N, K) of every blockwise FP8 linear of ``model`` on this rank (128x128 blocks, weights on ``device_type``)."""
+    shapes = set()
+    for module in model.modules():
+        state = getattr(module, "_fp8rl", None)
+        weight = getattr(module, "weight", None)
+        if state is None or not getattr(state, "is_block", False) or weight is None or weight.dim() != 2:
+            continue
+        if tuple(state.block_size) == BLOCK and weight.device.type == device_type:
+            shapes.add((int(weight.shape[0]), int(weight.shape[1])))
+    return sorted(shapes)
 
-    if (n, k) in _STATE["tuned"] or not autotune_enabled() or torch.cuda.is_current_stream_capturing():
-        return
-    _STATE["tuned"].add((n, k))
+
+def prepare_model(model, budget_s: float | None = None, max_m: int = DEFAULT_MAX_M) -> dict[str, dict]:
+    """Look up (and in mode ``auto`` measure what is missing for) the model's block shapes; log the table once.
+
+    Runs after loading, before CUDA-graph capture. Returns this model's entries ({} when off or nothing to do)."""
+    from sglang_fp8rl.server_args import get_options
+
+    options = get_options()
+    shapes = model_block_shapes(model)
+    if options.gemm_select == "off" or not shapes:
+        return {}
+    budget = options.gemm_tune_budget_s if budget_s is None else budget_s
     entries = _state_entries()
     names = list(registry())
-    valid = {key: e for key, e in entries.items() if valid_choice(e, names)}
-    try:
-        new = autotune([(n, k)], max_m=int(os.environ.get(ENV_MAX_M, DEFAULT_MAX_M)), candidates=registry(),
-                       budget_s=float(os.environ.get(ENV_BUDGET, DEFAULT_BUDGET_S)), skip=valid)
-    except Exception as e:  # noqa: BLE001 - tuning must never break serving: keep the default
-        logger.warning("gemm_select: autotune of N=%d K=%d failed (%r); keeping %s", n, k, e, DEFAULT)
-        return
-    if new:
+    wanted = {shape_key(n, k, b) for n, k in shapes for b in buckets_upto(max_m)}
+    valid = {key: e for key, e in entries.items() if key in wanted and valid_choice(e, names)}
+    if options.gemm_select == "auto" and len(valid) < len(wanted) and budget > 0:
+        t0 = time.time()
+        new = autotune(shapes, max_m=max_m, candidates=registry(), budget_s=budget, skip=valid)
         entries.update(new)
+        valid.update(new)
         try:
             merge_entries(None, _STATE["info"], new)
         except OSError as e:
-            logger.warning("gemm_select: could not write %s (%r)", cache_path(), e)
-        logger.info("gemm_select: N=%d K=%d\n%s", n, k, format_table(new))
+            logger.warning("[fp8rl] gemm_select: could not write the cache %s (%s); choices kept for this process",
+                           cache_path(), e)
+        logger.info("[fp8rl] gemm_select: measured %d entries for %d shapes in %.1f s (budget %.0f s)",
+                    len(new), len(shapes), time.time() - t0, budget)
+    missing = len(wanted) - len(valid)
+    logger.info("[fp8rl] gemm_select (%s, cache %s): %d shapes x %d M buckets, %d on %s for lack of a measurement\n%s",
+                options.gemm_select, cache_path(), len(shapes), len(buckets_upto(max_m)), missing, DEFAULT,
+                format_table(valid))
+    _STATE["logged"] = True
+    return valid
 
 
 def apply_selected(x, weight, weight_scale_inv, bias, default_fn: Callable, block_size=BLOCK):
@@ -608,12 +653,7 @@ def apply_selected(x, weight, weight_scale_inv, bias, default_fn: Callable, bloc
         return default_fn(input=x, weight=weight, block_size=list(block_size), weight_scale=weight_scale_inv,
                           input_scale=None, bias=bias)
     k = x.shape[-1]
-    n = weight.shape[0]
-    _maybe_autotune(n, k)
-    if not _STATE["logged"]:
-        _STATE["logged"] = True
-        logger.info("gemm_select: enabled, cache %s\n%s", cache_path(), format_table(_state_entries()))
-    name = select(x.numel() // k if x.numel() else 1, n, k, names=list(registry()))
+    name = select(x.numel() // k if x.numel() else 1, weight.shape[0], k, names=list(registry()))
     if name == DEFAULT:
         return _sglang_block_call(default_fn, x, weight, weight_scale_inv, bias)
     return registry()[name].fn(x, weight, weight_scale_inv, bias)

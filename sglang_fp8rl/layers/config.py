@@ -14,11 +14,11 @@ from sglang.srt.layers.quantization.base_config import QuantizationConfig, Quant
 
 from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision
 from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE
-from sglang_fp8rl.server_args import Fp8rlOptions, get_options
+from sglang_fp8rl.server_args import QUANTIZATION_NAME, Fp8rlOptions, get_options
 
 logger = logging.getLogger(__name__)
 
-NAME = "fp8_online_blockwise"
+NAME = QUANTIZATION_NAME
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

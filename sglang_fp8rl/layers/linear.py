@@ -216,7 +216,7 @@ class Fp8OnlineBlockwiseLinearMethod(LinearMethodBase):
         self.quant_config = quant_config
         self.prefix = prefix
         self._block_linear = None  # SGLang's block-FP8 GEMM, resolved on the first CUDA call
-        self._select_gemm = gemm_select.enabled()  # opt-in per-shape GEMM selection (FP8RL_GEMM_SELECT=1)
+        self._select_gemm = gemm_select.mode() != "off"  # per-shape GEMM choice, measured at load (prepare_model)
 
     def create_weights(
         self,

@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from sglang_fp8rl.kernels import gemm_select
+
 from sglang_fp8rl.weight_sync.update import (
     GuardedLoadWeights,
     PartialUpdateError,
@@ -57,6 +59,7 @@ def _wrap_load_model(original: Callable) -> Callable:
         result = original(self, *args, **kwargs)
         if attach(self.model):
             logger.info("[fp8rl] weight updates of this model are validated and re-quantized in place")
+            gemm_select.prepare_model(self.model)  # before CUDA graphs are captured
         return result
 
     return load_model

@@ -1,0 +1,107 @@
+"""Every block-FP8 GEMM candidate of gemm_select against the float64 block-scaled product, on the GPU.
+
+Shapes: every blockwise linear of Qwen3-0.6B / 8B / 32B and Llama-3-8B at TP 1, 2 and 4 (per-rank N x K from
+``layers.scheme.decision_table``), M in {1, 7, 64, 100, 128, 129, 200} (non-multiples of 128 and the DeepGEMM edge at
+128/129), fresh random draws each run (the seed is in the failure message). The reference is
+``(xq * xs) @ (wq * ws)^T`` in float64 on the same quantized operands; the bound is relative Frobenius error
+<= 4e-3: a BF16 output alone costs ~1.6e-3, and FP32 accumulation of K <= 25600 products adds far less.
+Plus: our split-K kernel is bitwise reproducible and gives the same bits inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sglang_fp8rl.kernels import gemm_select as gs
+from sglang_fp8rl.layers.scheme import KNOWN_MODELS, Scheme, decision_table
+from sglang_fp8rl.quant import quantize_activation_groups
+
+pytestmark = pytest.mark.gpu
+
+MODELS = ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B", "Llama-3-8B")
+TPS = (1, 2, 4)
+MS = (1, 7, 64, 100, 128, 129, 200)
+BOUND = 4e-3
+
+
+def block_shapes() -> list[tuple[int, int]]:
+    shapes = set()
+    for model in MODELS:
+        for row in decision_table(KNOWN_MODELS[model], TPS):
+            if row["scheme"] == Scheme.BLOCK:
+                shapes.add((sum(row["shards"].values()), row["k_local"]))
+    return sorted(shapes)
+
+
+SHAPES = block_shapes()
+# DeepGEMM JIT-compiles one kernel per tile configuration (2-6 s each on a cold cache), so its candidates are checked
+# on Qwen3-8B's TP 1/2 shapes by default; FP8RL_GPU_TEST_FULL=1 checks them on every shape.
+DEEPGEMM_SHAPES = {(n, k) for model in ("Qwen3-8B",) for row in decision_table(KNOWN_MODELS[model], (1, 2))
+                   for n, k in [(sum(row["shards"].values()), row["k_local"])]}
+FULL = os.environ.get("FP8RL_GPU_TEST_FULL", "0") == "1"
+
+
+@pytest.fixture(scope="module")
+def candidates():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return gs.make_candidates()
+
+
+@pytest.mark.parametrize("n, k", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_every_candidate_matches_float64(candidates, n, k):
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    wq, ws = gs.random_block_weight(n, k, "cuda", gen)
+    deepgemm_ok, ue8m0 = gs._deepgemm_flags()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ran = []
+    for m in MS:
+        x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        xq, xs = quantize_activation_groups(x, 128)
+        ref = gs.block_scaled_reference(xq, xs, wq, ws)
+        for name, c in candidates.items():
+            if gs.unsupported_reason(c, n, k, sms, deepgemm_ok, ue8m0, m):
+                continue
+            if c.needs_deepgemm and not FULL and (n, k) not in DEEPGEMM_SHAPES:
+                continue
+            out = c.fn(x, wq, ws, None)
+            torch.cuda.synchronize()
+            err = gs.rel_error(out, ref)
+            assert out.shape == (m, n) and err <= BOUND, f"{name} N={n} K={k} M={m}: rel err {err:.3g} (seed {seed})"
+            ran.append(name)
+    assert gs.DEFAULT in ran and any(name.startswith(gs.OURS_PREFIX) for name in ran)
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+def test_ours_is_reproducible_and_graph_safe(split_k):
+    from sglang_fp8rl.kernels.block_gemm import block_fp8_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(split_k)
+    n, k, m = 4096, 12288, 37
+    wq, ws = gs.random_block_weight(n, k, "cuda", gen)
+    xq, xs = quantize_activation_groups(torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16), 128)
+    eager = [block_fp8_gemm(xq, xs, wq, ws, split_k=split_k) for _ in range(3)]
+    assert all(torch.equal(eager[0], e) for e in eager[1:])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        block_fp8_gemm(xq, xs, wq, ws, split_k=split_k)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = block_fp8_gemm(xq, xs, wq, ws, split_k=split_k)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager[0])
+    ref = gs.block_scaled_reference(xq, xs, wq, ws)
+    assert gs.rel_error(eager[0], ref) <= BOUND
+
+
+def test_shape_list_covers_the_issue():
+    assert (24576, 4096) in SHAPES and (6144, 4096) in SHAPES and (4096, 12288) in SHAPES  # Qwen3-8B TP1
+    assert len(SHAPES) >= 20

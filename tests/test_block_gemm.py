@@ -1,0 +1,107 @@
+"""CPU checks of our block-FP8 GEMM kernel (sglang_fp8rl.kernels.block_gemm) under the Triton interpreter.
+
+The interpreter runs the kernel's own code (masks, K loop, scales, split-K partials and the counter-driven reduction)
+on CPU tensors, sequentially. What it cannot show: speed, the GPU's memory ordering of the split-K reduction, and the
+BF16 output rounding (the interpreter truncates FP32 -> BF16); those are GPU tests (tests/gpu/test_block_gemm.py).
+So the exactness checks here use a float32 output and compare with the float64 block-scaled product.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from sglang_fp8rl.kernels import gemm_select as gs
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+INTERPRETER_CHECK = textwrap.dedent(
+    """
+    import os
+    import torch
+    from sglang_fp8rl import quant
+    from sglang_fp8rl.kernels import block_gemm as bg
+    from sglang_fp8rl.kernels.gemm_select import block_scaled_reference, rel_error
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+
+    def operands(m, n, k):
+        # rows of very different magnitudes, so a scale applied to the wrong block or token shows
+        w = torch.randn(n, k) * torch.exp(torch.randn(n, 1).clamp(-2, 2) * 2)
+        x = torch.randn(m, k) * torch.exp(torch.randn(m, 1).clamp(-2, 2) * 2)
+        wq, ws = quant.quantize_blockwise(w.to(torch.bfloat16))
+        xq, xs = quant.quantize_activation_groups(x.to(torch.bfloat16), 128)
+        return xq, xs, wq, ws
+
+    cases = [(1, 64, 128, 64, 1), (3, 200, 384, 64, 2), (17, 256, 512, 128, 1), (33, 130, 640, 64, 4),
+             (70, 128, 256, 64, 4), (129, 96, 256, 128, 1), (5, 300, 384, 64, 4)]
+    for m, n, k, block_n, split_k in cases:
+        xq, xs, wq, ws = operands(m, n, k)
+        ref = block_scaled_reference(xq, xs, wq, ws)
+        out = bg.block_fp8_gemm(xq, xs, wq, ws, torch.float32, block_n=block_n, split_k=split_k)
+        err = rel_error(out, ref)
+        assert out.shape == (m, n) and err < 1e-6, (seed, m, n, k, block_n, split_k, err)
+        again = bg.block_fp8_gemm(xq, xs, wq, ws, torch.float32, block_n=block_n, split_k=split_k)
+        assert torch.equal(out, again), ("not reproducible", seed, m, n, k, split_k)  # counters were reset
+        bias = torch.randn(n)
+        with_bias = bg.block_fp8_gemm(xq, xs, wq, ws, torch.float32, bias, block_n=block_n, split_k=split_k)
+        assert rel_error(with_bias, ref + bias.double()) < 1e-6, (seed, m, n, k, "bias")
+        bf16 = bg.block_fp8_gemm(xq, xs, wq, ws, torch.bfloat16, block_n=block_n, split_k=split_k)
+        assert bf16.dtype == torch.bfloat16 and rel_error(bf16, ref) < 1e-2, (seed, m, n, k, "bf16")
+
+    # column-major (strided) activation scales, as DeepGEMM's quantizer writes them
+    xq, xs, wq, ws = operands(9, 128, 384)
+    xs_cm = xs.t().contiguous().t()
+    assert xs_cm.stride() != xs.stride()
+    out = bg.block_fp8_gemm(xq, xs_cm, wq, ws, torch.float32, split_k=2)
+    assert rel_error(out, block_scaled_reference(xq, xs, wq, ws)) < 1e-6
+    assert bg.block_fp8_gemm(xq[:0], xs[:0], wq, ws).shape == (0, 128)
+    print("block_gemm interpreter ok", seed)
+    """
+)
+
+
+def test_block_gemm_under_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run(
+        [sys.executable, "-c", INTERPRETER_CHECK], env=env, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "block_gemm interpreter ok" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "what, change, message",
+    [
+        ("K not a multiple of 128", dict(k=200), "K=200 is not a multiple of 128"),
+        ("activation scale shape", dict(xs_cols=3), "xs has shape"),
+        ("weight scale shape", dict(ws_rows=1), "ws has shape"),
+        ("scale dtype", dict(xs_dtype=torch.bfloat16), "scales must be float32"),
+        ("block_n", dict(block_n=32), "block_n 32"),
+        ("split_k", dict(split_k=3), "split_k 3"),
+    ],
+)
+def test_block_gemm_rejects_bad_operands(what, change, message) -> None:
+    from sglang_fp8rl.kernels import block_gemm as bg
+
+    m, n, k = 4, 256, change.get("k", 256)
+    xq = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
+    wq = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    xs = torch.ones(m, change.get("xs_cols", max(1, k // 128)), dtype=change.get("xs_dtype", torch.float32))
+    ws = torch.ones(change.get("ws_rows", 2), max(1, k // 128))
+    with pytest.raises(ValueError, match=message):
+        bg.block_fp8_gemm(xq, xs, wq, ws, block_n=change.get("block_n", 64), split_k=change.get("split_k", 1))
+
+
+def test_block_m_tiles() -> None:
+    from sglang_fp8rl.kernels import block_gemm as bg
+
+    assert [bg.block_m_for(m) for m in (1, 16, 17, 64, 65, 128, 129, 4096)] == [16, 16, 32, 64, 128, 128, 128, 128]
+    assert gs.OURS_MAX_M == bg.MAX_BLOCK_M  # the selector never asks for more than one token tile
