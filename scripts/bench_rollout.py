@@ -415,7 +415,7 @@ def child_main(argv: list[str]) -> None:
         counted(F8, "apply_fp8_linear", "apply_fp8_linear (non-block)")
         counted(FU, "sglang_per_token_group_quant_fp8", "sglang_per_token_group_quant_fp8")
         counted(FU, "per_token_group_quant_fp8", "per_token_group_quant_fp8")
-    except Exception as e:  # bookkeeping must never break the bench
+    except (ImportError, AttributeError) as e:  # bookkeeping must never break the bench
         _clog(f"GEMM call counting not installed: {e!r}")
     try:
         import sglang.srt.model_loader.loader as L
@@ -426,11 +426,11 @@ def child_main(argv: list[str]) -> None:
             orig(model, *a, **k)
             try:
                 _after_dummy_init(model)
-            except Exception as e:
+            except (RuntimeError, ValueError, AttributeError, TypeError) as e:
                 _clog(f"after-dummy-init hook failed: {e!r}")
 
         L.initialize_dummy_weights = init
-    except Exception as e:
+    except (ImportError, AttributeError) as e:
         _clog(f"dummy-init hook not installed: {e!r}")
 
     sys.argv = ["sglang.benchmark.one_batch"] + list(argv)
@@ -454,7 +454,7 @@ def _env_info() -> dict:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=30).stdout.strip()
         info["device"] = out.splitlines()[0] if out else "unknown"
-    except Exception as e:  # CPU machine / no driver
+    except (OSError, subprocess.SubprocessError) as e:  # CPU machine / no driver
         info["device"] = f"unknown ({type(e).__name__})"
     from importlib.metadata import PackageNotFoundError, version
 
@@ -645,7 +645,7 @@ def main(argv=None) -> int:
             try:
                 parts.append(format_kernel_summary(kernel_totals(load_trace(tr)), os.path.basename(tr),
                                                    steps=args.profile_steps))
-            except Exception as e:
+            except (OSError, ValueError, KeyError, TypeError) as e:  # a truncated or foreign trace
                 parts.append(f"### {os.path.basename(tr)}: could not summarize: {e!r}")
         if not parts:
             parts.append("no decode trace found (the profiled config failed, or the bench skipped profiling)")

@@ -323,7 +323,7 @@ def save_payload(sd: dict, model_src: str, w1_dir: str, box: dict) -> None:
         del cpu
         box["save_s"] = time.time() - t0
         box["ok"] = True
-    except Exception as e:  # reported; the disk path is then skipped
+    except (OSError, RuntimeError, ValueError) as e:  # reported; the disk path is then skipped
         box["error"] = f"{type(e).__name__}: {e}"
 
 
@@ -443,7 +443,7 @@ class Bench:
                 self.save()
             try:
                 e["tokens_after_update"] = generate_ids(url)
-            except Exception as ex:  # informative only
+            except (OSError, RuntimeError, ValueError, KeyError) as ex:  # informative only (requests errors are OSError)
                 e["tokens_after_update"] = f"generate failed: {ex}"
 
             if a.skip_disk:
@@ -462,7 +462,8 @@ class Bench:
                         last = fp8rl_info(url).get("last_update")
                         e["disk"]["last_update_after"] = last
             self.save()
-        except Exception as ex:
+        except (OSError, RuntimeError, ValueError, KeyError, TimeoutError) as ex:  # this engine's numbers are lost, the
+            # other engine still runs; WeightPushError is a RuntimeError, requests' errors are OSErrors
             e["error"] = f"{type(ex).__name__}: {ex}"
             say(f"{eng}: ERROR {e['error']}")
             self.save()
