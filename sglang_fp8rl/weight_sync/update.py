@@ -5,9 +5,10 @@ Every SGLang update path (`/update_weights_from_tensor` incl. flattened buckets,
 method of a model served with `fp8_online_blockwise` by :class:`GuardedLoadWeights`:
 
 1. **validate** (nothing is written): unique names; floating dtype; finite values (one read-only reduction per
-   tensor); and a *dry run* of the model's own ``load_weights`` with every parameter's loader replaced by a checker,
-   which proves that each name resolves to a parameter and that its shape fits (for FP8 layers through our sharding
-   helpers, for BF16 parameters by running SGLang's loader into a scratch tensor). Any failure raises
+   tensor, one device sync per request); and a *dry run* of the model's own ``load_weights`` over the whole request
+   with every parameter's loader replaced by a checker, which proves that each name resolves to a parameter and that
+   its shape fits (for FP8 layers through our sharding helpers, for BF16 parameters by running SGLang's loader into
+   a scratch tensor). Any failure raises
    :class:`UpdateRejected` naming the tensor and the reason; the model keeps its previous weights byte for byte;
 2. **apply**: the model's own ``load_weights``, whose FP8 loaders re-quantize into the existing storage.
 
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 # names that SGLang's model loaders skip on purpose (not parameters); accepted and ignored
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 DRY_RUN_ERRORS = (ValueError, AssertionError, KeyError, RuntimeError, IndexError, TypeError)
+STREAM_CHUNK = 64  # tensors validated together on the disk path (bounded host memory, few loader swaps)
 
 
 class UpdateRejected(ValueError):
@@ -112,21 +114,46 @@ def _record(stats: UpdateStats) -> None:
 # per-tensor checks
 
 
-def check_tensor(name: str, tensor: torch.Tensor) -> None:
-    """Reject non-floating or FP8 dtypes and non-finite values (one read-only reduction, no large temporaries)."""
+def check_dtype(name: str, tensor: torch.Tensor) -> None:
+    """Reject non-tensors and non-floating or FP8 dtypes."""
     if not isinstance(tensor, torch.Tensor):
         raise UpdateRejected(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_floating_point() or tensor.dtype == FP8_DTYPE:
         raise UpdateRejected(f"{name}: dtype {tensor.dtype} is not accepted (send bf16, fp16 or fp32 weights)")
-    if tensor.numel() == 0:
-        return
-    low, high = torch.aminmax(tensor)  # NaN propagates into both; +-inf shows up in one of them
+
+
+def _extremes(tensor: torch.Tensor) -> torch.Tensor:
+    """[min, max] as float32 (one read-only reduction): NaN propagates into both, +-inf shows up in one of them."""
+    low, high = torch.aminmax(tensor)
+    return torch.stack((low, high)).float()
+
+
+def _ends_finite_in_bf16(ends: torch.Tensor) -> bool:
     # the engine holds BF16 (and quantizes from BF16): an FP32 value past BF16's range is Inf there, so check the
     # rounded extremes (rounding is monotone, so they bound every rounded element)
-    ends = torch.stack((low, high)).to(torch.bfloat16)
-    if not bool(torch.isfinite(ends).all()):
+    return bool(torch.isfinite(ends.to(torch.bfloat16)).all())
+
+
+def check_tensor(name: str, tensor: torch.Tensor) -> None:
+    """Reject bad dtypes and values that are not finite in BF16, naming the first bad index."""
+    check_dtype(name, tensor)
+    if tensor.numel() and not _ends_finite_in_bf16(_extremes(tensor)):
         bad = (~torch.isfinite(tensor.to(torch.bfloat16))).nonzero()[0].tolist()
         raise UpdateRejected(f"{name}: contains NaN/Inf in BF16 (first at index {bad}); nothing was written")
+
+
+def check_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """check_tensor over a request with one host sync per device; the per-tensor pass runs only to name a culprit."""
+    for name, tensor in named_tensors:
+        check_dtype(name, tensor)
+    ends_by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, tensor in named_tensors:
+        if tensor.numel():
+            ends_by_device.setdefault(tensor.device, []).append(_extremes(tensor))
+    if all(_ends_finite_in_bf16(torch.cat(ends)) for ends in ends_by_device.values()):
+        return
+    for name, tensor in named_tensors:
+        check_tensor(name, tensor)
 
 
 def check_unique(names: Sequence[str]) -> None:
@@ -156,7 +183,11 @@ class DryRunRecord:
 
 def _load_into_scratch(real_loader: Callable, param: torch.nn.Parameter, loaded: torch.Tensor, *args,
                        **kwargs) -> None:
-    """Run SGLang's own loader of a parameter into a scratch tensor: its checks run, the parameter is untouched."""
+    """Run SGLang's own loader of a parameter into a scratch tensor: its checks run, the parameter is untouched.
+
+    The scratch must be real memory of the parameter's device and dtype: ``param.data`` only accepts a tensor of
+    the same type (no ``meta``), and a loader bound to the parameter object writes through ``param.data``. So the
+    dry run of a BF16 parameter costs one temporary of its size (the largest is the embedding)."""
     original = param.data
     param.data = torch.empty_like(original)
     try:
@@ -178,12 +209,20 @@ def _set_loader(param: torch.nn.Parameter, loader: Optional[Callable]) -> None:
         param.__dict__[key] = loader
 
 
+@dataclasses.dataclass
+class DryRunTarget:
+    """Where the checkers record: the tensor being dry-run now."""
+
+    name: str = ""
+    record: DryRunRecord = dataclasses.field(default_factory=DryRunRecord)
+
+
 @contextlib.contextmanager
-def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunRecord]:
-    """Replace every parameter's loader by a checker that records and validates but never writes."""
+def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunTarget]:
+    """Replace every parameter's loader by a checker that records into ``target.record`` but never writes."""
     from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-    record = DryRunRecord()
+    target = DryRunTarget()
     saved: dict[int, tuple[torch.nn.Parameter, Optional[Callable]]] = {}
 
     def make_checker(param: torch.nn.Parameter, real: Callable) -> Callable:
@@ -191,10 +230,10 @@ def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunRecord]:
             # our FP8 parameters carry a side-effect-free twin of their loader; it returns the layer's prefix
             check = p.__dict__.get(CHECK_ATTR)
             if check is not None:
-                record.fp8_layers.append(check(p, loaded, *args, **kwargs))
+                target.record.fp8_layers.append(check(p, loaded, *args, **kwargs))
             else:
                 _load_into_scratch(real, p, loaded, *args, **kwargs)
-                record.bf16_params += 1
+                target.record.bf16_params += 1
 
         return checker
 
@@ -203,21 +242,55 @@ def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunRecord]:
         saved[id(param)] = (param, real)
         _set_loader(param, make_checker(param, real or default_weight_loader))
     try:
-        yield record
+        yield target
     finally:
         for param, real in saved.values():
             _set_loader(param, real)
 
 
-def dry_run_one(model: torch.nn.Module, load_weights: Callable, name: str, tensor: torch.Tensor) -> DryRunRecord:
-    """Dry-run one named tensor through the model's own load_weights; raise UpdateRejected on any failure."""
-    with dry_run_loaders(model) as record:
+def _rejected(model: torch.nn.Module, name: str, error: BaseException) -> UpdateRejected:
+    return UpdateRejected(f"{name}: not accepted by {type(model).__name__}.load_weights: {type(error).__name__}: "
+                          f"{error}")
+
+
+def dry_run_each(model: torch.nn.Module, load_weights: Callable,
+                 named_tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, DryRunRecord]:
+    """Dry-run each named tensor in its own load_weights call (exact attribution); raise UpdateRejected."""
+    records: dict[str, DryRunRecord] = {}
+    with dry_run_loaders(model) as target:
+        for name, tensor in named_tensors:
+            target.name, target.record = name, DryRunRecord()
+            try:
+                load_weights([(name, tensor)])
+            except DRY_RUN_ERRORS as e:
+                raise _rejected(model, name, e) from e
+            records[name] = target.record
+    return records
+
+
+def dry_run(model: torch.nn.Module, load_weights: Callable,
+            named_tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, DryRunRecord]:
+    """Dry-run a whole request in one load_weights call, attributing each loader call to the tensor being iterated.
+
+    SGLang's loaders handle each item before pulling the next, so the attribution is exact. A model that buffers
+    items (loader calls after the stream ended, or a name that reached nothing), or any error, is dry-run again
+    tensor by tensor, so that verdicts and messages never depend on the batching."""
+    records: dict[str, DryRunRecord] = {}
+    with dry_run_loaders(model) as target:
+        def stream():
+            for name, tensor in named_tensors:
+                target.name, target.record = name, records.setdefault(name, DryRunRecord())
+                yield name, tensor
+            target.name, target.record = "", DryRunRecord()  # collects calls made after the last item
+
         try:
-            load_weights([(name, tensor)])
-        except DRY_RUN_ERRORS as e:
-            raise UpdateRejected(f"{name}: not accepted by {type(model).__name__}.load_weights: "
-                                 f"{type(e).__name__}: {e}") from e
-    return record
+            load_weights(stream())
+            batched_ok = not target.record.consumed
+        except DRY_RUN_ERRORS:
+            batched_ok = False
+    if batched_ok and all(r.consumed or is_ignored_name(model, n) for n, r in records.items()):
+        return records
+    return dry_run_each(model, load_weights, named_tensors)
 
 
 def is_ignored_name(model: torch.nn.Module, name: str) -> bool:
@@ -236,10 +309,11 @@ def validate_update(model: torch.nn.Module, load_weights: Callable,
                     named_tensors: Sequence[tuple[str, torch.Tensor]], stats: UpdateStats) -> list[tuple[str, torch.Tensor]]:
     """Check the whole request before anything is written; returns the tensors to load (ignored names dropped)."""
     check_unique([name for name, _ in named_tensors])
+    check_tensors(named_tensors)
+    records = dry_run(model, load_weights, named_tensors)
     to_load = []
     for name, tensor in named_tensors:
-        check_tensor(name, tensor)
-        record = dry_run_one(model, load_weights, name, tensor)
+        record = records[name]
         if not record.consumed:
             if not is_ignored_name(model, name):
                 raise UpdateRejected(f"{name}: not a parameter of {type(model).__name__} (its load_weights ignored it)")
@@ -353,17 +427,25 @@ def attach(model: torch.nn.Module) -> bool:
     return True
 
 
-def validate_stream(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Validate a stream of tensors (the disk path's first pass); returns how many were checked."""
+def validate_stream(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    chunk: int = STREAM_CHUNK) -> int:
+    """Validate a stream of tensors (the disk path's first pass) in chunks; returns how many were checked."""
     guard = model.__dict__.get("load_weights")
     original = guard.original if isinstance(guard, GuardedLoadWeights) else model.load_weights
     stats = UpdateStats(index=0, ok=False, message="")
     seen: set[str] = set()
     count = 0
+    pending: list[tuple[str, torch.Tensor]] = []
     for name, tensor in weights:
         if name in seen:
             raise UpdateRejected(f"{name}: appears more than once in the checkpoint")
         seen.add(name)
-        validate_update(model, original, [(name, tensor)], stats)
-        count += 1
+        pending.append((name, tensor))
+        if len(pending) == chunk:
+            validate_update(model, original, pending, stats)
+            count += len(pending)
+            pending = []
+    if pending:
+        validate_update(model, original, pending, stats)
+        count += len(pending)
     return count

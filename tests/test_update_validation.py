@@ -1,0 +1,115 @@
+"""In-process checks of the update validation's batching (sglang_fp8rl.weight_sync.update).
+
+The end-to-end behaviour (rejections, equivalence with a cold load, pointer stability) is tested through SGLang's
+ModelRunner in test_weight_updates.py. These tests pin how validation scales: one host sync per request for the
+finiteness check, and one ``load_weights`` call for the dry run, with an exact per-tensor fallback for models whose
+loader buffers items or fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_fp8rl.weight_sync import update as U
+
+
+def copy_loader(param: torch.nn.Parameter, loaded: torch.Tensor) -> None:
+    assert param.shape == loaded.shape, f"shape {tuple(loaded.shape)} != {tuple(param.shape)}"
+    param.data.copy_(loaded)
+
+
+class TinyModel(torch.nn.Module):
+    """Two BF16 parameters with SGLang-style ``weight_loader`` attributes; optionally buffers like a fusing loader."""
+
+    def __init__(self, buffering: bool = False):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16), requires_grad=False)
+        for p in (self.a, self.b):
+            p.weight_loader = copy_loader
+        self.buffering = buffering
+        self.calls = 0
+
+    def load_weights(self, weights):
+        self.calls += 1
+        params = dict(self.named_parameters())
+        held = []
+        for name, tensor in weights:
+            if name not in params:
+                continue
+            if self.buffering:
+                held.append((name, tensor))
+                continue
+            params[name].weight_loader(params[name], tensor)
+        for name, tensor in held:  # e.g. a model that fuses pairs of tensors at the end
+            params[name].weight_loader(params[name], tensor)
+
+
+def good():
+    return [("a", torch.randn(4, 3, dtype=torch.bfloat16)), ("b", torch.randn(5, dtype=torch.bfloat16))]
+
+
+def test_clean_request_is_one_dry_run_call_and_one_sync(monkeypatch):
+    model = TinyModel()
+    syncs = []
+    real = U._ends_finite_in_bf16
+    monkeypatch.setattr(U, "_ends_finite_in_bf16", lambda ends: syncs.append(ends.numel()) or real(ends))
+    stats = U.UpdateStats(index=1, ok=False, message="")
+    to_load = U.validate_update(model, model.load_weights, good(), stats)
+    assert [n for n, _ in to_load] == ["a", "b"] and stats.bf16_params_written == 2
+    assert model.calls == 1 and syncs == [4]  # min and max of both tensors, checked together
+    assert bool((model.a == 0).all()) and bool((model.b == 0).all())  # a dry run writes nothing
+
+
+def test_buffering_model_falls_back_to_exact_per_tensor_dry_runs():
+    model = TinyModel(buffering=True)
+    records = U.dry_run(model, model.load_weights, good())
+    assert model.calls == 1 + 2  # the batched call attributed loader calls to no tensor: redone one by one
+    assert records["a"].bf16_params == 1 and records["b"].bf16_params == 1
+    assert bool((model.a == 0).all())
+
+
+def test_error_names_the_right_tensor_even_when_buffered():
+    model = TinyModel(buffering=True)
+    bad = [good()[0], ("b", torch.randn(6, dtype=torch.bfloat16))]
+    with pytest.raises(U.UpdateRejected, match=r"^b: not accepted by TinyModel\.load_weights: AssertionError"):
+        U.validate_update(model, model.load_weights, bad, U.UpdateStats(index=1, ok=False, message=""))
+
+
+def test_unknown_name_rejected_after_exact_check():
+    model = TinyModel()
+    with pytest.raises(U.UpdateRejected, match="^c: not a parameter of TinyModel"):
+        U.validate_update(model, model.load_weights, good() + [("c", torch.randn(2))],
+                          U.UpdateStats(index=1, ok=False, message=""))
+
+
+@pytest.mark.parametrize("where", [0, 1])
+def test_nonfinite_found_with_one_sync_then_named(where):
+    tensors = good()
+    name, t = tensors[where]
+    t.view(-1)[-1] = float("inf")
+    with pytest.raises(U.UpdateRejected, match=f"^{name}: contains NaN/Inf in BF16"):
+        U.check_tensors(tensors)
+    fp32_overflow = [("a", torch.full((4, 3), 3.4e38))]  # finite in FP32, Inf in BF16
+    with pytest.raises(U.UpdateRejected, match="^a: contains NaN/Inf in BF16"):
+        U.check_tensors(fp32_overflow)
+
+
+def test_dtype_checked_before_any_reduction():
+    with pytest.raises(U.UpdateRejected, match="^b: dtype torch.int32 is not accepted"):
+        U.check_tensors([good()[0], ("b", torch.ones(5, dtype=torch.int32))])
+    U.check_tensors([("empty", torch.empty(0))])  # nothing to reduce
+
+
+def test_stream_is_validated_in_chunks(monkeypatch):
+    model = TinyModel()
+    seen = []
+    real = U.validate_update
+    monkeypatch.setattr(U, "validate_update", lambda m, lw, named, stats: seen.append(len(named)) or real(m, lw, named, stats))
+    stream = [good()[0], good()[1]]
+    assert U.validate_stream(model, iter(stream), chunk=1) == 2 and seen == [1, 1]
+    seen.clear()
+    assert U.validate_stream(model, iter(stream)) == 2 and seen == [2]
+    with pytest.raises(U.UpdateRejected, match="appears more than once"):
+        U.validate_stream(model, iter(stream + [good()[0]]))
