@@ -19,6 +19,7 @@ from sglang_fp8rl.quant import SCALE_FORMATS
 
 ENV_VAR = "FP8RL_OPTIONS"
 GEMM_SELECT_MODES = ("auto", "cache", "off")
+DEFAULT_GEMM_TUNE_BUDGET_S = 30.0  # load-time GEMM measurement budget (see kernels/gemm_select.py)
 QUANTIZATION_NAME = "fp8_online_blockwise"
 DEEPGEMM_PRECOMPILE_ENV = "SGLANG_JIT_DEEPGEMM_PRECOMPILE"
 _PARSER_MARK = "_fp8rl_options_added"
@@ -33,7 +34,7 @@ class Fp8rlOptions:
     ignore: tuple[str, ...] = ()
     scale_format: str = "fp32"
     gemm_select: str = "auto"
-    gemm_tune_budget_s: float = 20.0
+    gemm_tune_budget_s: float = DEFAULT_GEMM_TUNE_BUDGET_S
 
     def __post_init__(self) -> None:
         for name in ("bf16_first_layers", "bf16_last_layers"):
@@ -123,7 +124,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "cache = use cached measurements only, off = always SGLang's own dispatch.",
     )
     group.add_argument(
-        "--fp8rl-gemm-tune-budget-s", type=float, default=20.0, metavar="S",
+        "--fp8rl-gemm-tune-budget-s", type=float, default=DEFAULT_GEMM_TUNE_BUDGET_S, metavar="S",
         help="Wall-time budget of the load-time GEMM measurement (auto mode); unmeasured shapes use SGLang's GEMM.",
     )
 
@@ -136,7 +137,7 @@ def options_from_namespace(args: argparse.Namespace) -> Fp8rlOptions:
         ignore=tuple(getattr(args, "fp8rl_ignore", None) or ()),
         scale_format=getattr(args, "fp8rl_scale_format", "fp32"),
         gemm_select=getattr(args, "fp8rl_gemm_select", "auto"),
-        gemm_tune_budget_s=getattr(args, "fp8rl_gemm_tune_budget_s", 20.0),
+        gemm_tune_budget_s=getattr(args, "fp8rl_gemm_tune_budget_s", DEFAULT_GEMM_TUNE_BUDGET_S),
     )
 
 

@@ -104,4 +104,4 @@ def test_block_m_tiles() -> None:
     from sglang_fp8rl.kernels import block_gemm as bg
 
     assert [bg.block_m_for(m) for m in (1, 16, 17, 64, 65, 128, 129, 4096)] == [16, 16, 32, 64, 128, 128, 128, 128]
-    assert gs.OURS_MAX_M == bg.MAX_BLOCK_M  # the selector never asks for more than one token tile
+    assert gs.OURS_MAX_M <= bg.MAX_BLOCK_M  # the selector never asks for more than one token tile

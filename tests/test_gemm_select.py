@@ -167,8 +167,7 @@ def test_versions_invalidate(tmp_path):
 def test_select_lookup_and_fallbacks():
     names = gs.candidate_names()
     assert names[0] == gs.DEFAULT and names == ["deepgemm_default", "deepgemm_sms_124", "deepgemm_sms_112",
-                                                "triton_default", "fp8rl_n64_sk1", "fp8rl_n64_sk2", "fp8rl_n64_sk4",
-                                                "fp8rl_n128_sk1"]
+                                                "fp8rl_n64_sk4"]
     entries = {
         gs.shape_key(24576, 4096, 112): entry("deepgemm_sms_112", {}),
         gs.shape_key(24576, 4096, 128): entry("deepgemm_sms_124", {}, names=names[:-1]),  # other candidate set
@@ -192,8 +191,8 @@ def test_select_reads_the_cache_file_of_this_environment():
 
 
 def test_candidate_set_is_configurable():
-    assert list(gs.make_candidates((120, 100), triton=False, ours=((128, 1),))) == [
-        "deepgemm_default", "deepgemm_sms_120", "deepgemm_sms_100", "fp8rl_n128_sk1"]
+    assert list(gs.make_candidates((120, 100), triton=True, ours=((128, 1),))) == [
+        "deepgemm_default", "deepgemm_sms_120", "deepgemm_sms_100", "triton_default", "fp8rl_n128_sk1"]
 
 
 def test_choose():
@@ -208,7 +207,7 @@ def test_choose():
 
 
 def test_unsupported_reason():
-    reg = gs.make_candidates((124, 132))
+    reg = gs.make_candidates((124, 132), triton=True)
     d, s124, s132, tr = (reg[n] for n in ("deepgemm_default", "deepgemm_sms_124", "deepgemm_sms_132",
                                           "triton_default"))
     assert gs.unsupported_reason(d, 100, 100, 132, False, False) is None  # the default always runs
@@ -219,9 +218,9 @@ def test_unsupported_reason():
     assert "Triton" in gs.unsupported_reason(s124, 4096 + 32, 4096, 132, True, False)
     assert "Triton" in gs.unsupported_reason(s124, 4096, 4096 + 64, 132, True, False)
     assert "num_sms" in gs.unsupported_reason(s132, 4096, 4096, 132, True, False)
-    ours = gs.make_candidates()["fp8rl_n64_sk2"]
-    assert gs.unsupported_reason(ours, 4096, 4096, 132, False, False, m=128) is None  # needs no DeepGEMM
-    assert "M 129" in gs.unsupported_reason(ours, 4096, 4096, 132, True, False, m=129)
+    ours = gs.make_candidates()["fp8rl_n64_sk4"]
+    assert gs.unsupported_reason(ours, 4096, 4096, 132, False, False, m=16) is None  # needs no DeepGEMM
+    assert "M 17" in gs.unsupported_reason(ours, 4096, 4096, 132, True, False, m=17)
     assert "K 4000" in gs.unsupported_reason(ours, 4096, 4000, 132, True, False, m=8)
 
 
@@ -617,3 +616,54 @@ def test_prepare_model_unwritable_cache_keeps_choices(monkeypatch, shapes_on_cpu
         got = gs.prepare_model(fake_model([(256, 384)]), max_m=2)
     assert len(got) == 2 and "could not write the cache" in caplog.text
     assert gs.select(2, 256, 384, names=list(cands)) == "fast"
+
+
+def test_autotune_skips_alternatives_where_the_default_is_efficient():
+    last: list = []
+    new = gs.autotune([(256, 384)], max_m=4, candidates=make_fake_candidates(last), device="cpu",
+                      timer=fake_timer(last), log=lambda s: None, copy_gbs=1.0)  # default ~1 GB/s = ~100 %
+    assert sorted(new) == sorted(gs.shape_key(256, 384, b) for b in (1, 2, 4))
+    for e in new.values():
+        assert e["choice"] == gs.DEFAULT and list(e["us"]) == [gs.DEFAULT] and e["default_frac_copy_bw"] >= 0.7
+        assert set(e["skipped"]) == {"fast", "wrong", "nan", "broken"} and "copy bandwidth" in e["skipped"]["fast"]
+    assert set(last) == {gs.DEFAULT}
+    gs.merge_entries(None, INFO, new)  # complete entries: valid for the next start
+    assert gs.select(3, 256, 384, gs.env_entries(gs.load_cache(), INFO), list(make_fake_candidates([]))) == gs.DEFAULT
+
+
+def test_autotune_measures_least_efficient_defaults_first():
+    order: list = []
+
+    def exact(x, w, s, bias):
+        xq, xs = quant.quantize_activation_groups(x, 128)
+        return (quant.dequantize_activation_groups(xq, xs) @ quant.dequantize_blockwise(w, s).t()).to(x.dtype)
+
+    def alt(x, w, s, bias):
+        order.append(x.shape[0])
+        return exact(x, w, s, bias)
+
+    cands = {gs.DEFAULT: gs.Candidate(gs.DEFAULT, exact), "alt": gs.Candidate("alt", alt)}
+    default_us = {1: 10.0, 2: 30.0, 4: 20.0}  # efficiency falls as the time grows: M=2, then 4, then 1
+    seen_m = []
+
+    def timing(call, nrot, calls, reps):
+        n_before = len(order)
+        call(0)
+        if len(order) > n_before:  # an alternative ran
+            return 5.0
+        return default_us[seen_m[-1]]
+
+    real_inputs = gs._inputs
+
+    def inputs(m, k, ops, ctx):
+        seen_m.append(m)
+        return real_inputs(m, k, ops, ctx)
+
+    import unittest.mock as mock
+
+    with mock.patch.object(gs, "_inputs", inputs):
+        new = gs.autotune([(256, 384)], max_m=4, candidates=cands, device="cpu", timer=timing, log=lambda s: None,
+                          copy_gbs=1e9, min_gain=0.0)
+    # each alternative ran twice per entry (first call + timed call); the entries came least efficient first
+    assert order[::2] == [2, 4, 1]
+    assert all(e["choice"] == "alt" for e in new.values())

@@ -42,6 +42,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from sglang_fp8rl.server_args import DEFAULT_GEMM_TUNE_BUDGET_S
+
 logger = logging.getLogger(__name__)
 
 ENV_CACHE = "FP8RL_GEMM_SELECT_CACHE"  # path of the JSON cache (default ~/.cache/sglang_fp8rl/gemm_select.json)
@@ -52,13 +54,18 @@ DEFAULT = "deepgemm_default"
 TRITON = "triton_default"
 SMS_PREFIX = "deepgemm_sms_"
 OURS_PREFIX = "fp8rl_"
-DEFAULT_SMS = (124, 112)
-OURS_CONFIGS = ((64, 1), (64, 2), (64, 4), (128, 1))  # (block_n, split_k) of block_gemm
-OURS_MAX_M = 128
+DEFAULT_SMS = (124, 112)  # num_sms variants: 124 / 112 fix gate_up at M 80-128 (x2.3); fewer SMs never won
+# (block_n, split_k) of block_gemm kept as candidates, and the largest M they are tried at: on H100 (docs/RESULTS.md,
+# bench_gemm) split-K 4 beat DeepGEMM only at M <= 8 (o_proj / down / qkv at M=1: x1.16 / x1.16 / x1.05) and every
+# config lost above M=16, so the others are left out of the load-time measurement (bench_gemm.py --all-ours has them)
+OURS_CONFIGS = ((64, 4),)
+ALL_OURS_CONFIGS = ((64, 1), (64, 2), (64, 4), (128, 1))
+OURS_MAX_M = 16
 DEFAULT_MAX_M = 256
-DEFAULT_BUDGET_S = 20.0
+DEFAULT_BUDGET_S = DEFAULT_GEMM_TUNE_BUDGET_S
 REL_TOL = 1e-2  # rel. Frobenius error vs the float64 block-scaled product; measured 1.7e-3 for DeepGEMM/Triton
 MIN_GAIN = 0.03
+ALT_BELOW = 0.70  # alternatives are measured where the default moves less than this fraction of copy bandwidth
 BLOCK = (128, 128)
 
 # process state: the cached entries of this environment, the registry, SGLang's default linear, the log flag
@@ -348,9 +355,10 @@ def _ours_fn(block_n: int, split_k: int):
     return fn
 
 
-def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = True,
+def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = False,
                     ours: Sequence[tuple[int, int]] = OURS_CONFIGS) -> dict[str, Candidate]:
-    """The registry: default first (the autotune relies on that order), num_sms variants, Triton, ours."""
+    """The registry: default first (the autotune relies on that order), num_sms variants, Triton (off by default:
+    SGLang's untuned Triton block GEMM never won a bucket on H100), ours."""
     reg = {DEFAULT: Candidate(DEFAULT, _default_fn)}
     for n in sms:
         reg[f"{SMS_PREFIX}{n}"] = Candidate(f"{SMS_PREFIX}{n}", _sms_fn(int(n)), needs_deepgemm=True, num_sms=int(n))
@@ -464,6 +472,27 @@ def candidate_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def measure_copy_gbs(device, nbytes: int = 256 << 20) -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second, GB/s): the bound a GEMM is compared with."""
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 10 * 2 * src.numel() * src.element_size() / (start.elapsed_time(end) * 1e-3) / 1e9
+
+
+def linear_bytes(m: int, n: int, k: int) -> int:
+    """Bytes a block-FP8 linear must move at least: FP8 weight + fp32 block scales + BF16 input and output."""
+    return n * k + math.ceil(n / BLOCK[0]) * math.ceil(k / BLOCK[1]) * 4 + 2 * m * k + 2 * m * n
+
+
 def autotune(
     shapes: Sequence[tuple[int, int]],
     max_m: int = DEFAULT_MAX_M,
@@ -475,24 +504,30 @@ def autotune(
     points: str = "upper",
     rel_tol: float = REL_TOL,
     min_gain: float = MIN_GAIN,
+    alt_below: float = ALT_BELOW,
     skip: dict[str, dict] | None = None,
     seed: int = 0,
     log: Callable[[str], None] = logger.info,
     device=None,
     timer: Callable | None = None,
+    copy_gbs: float | None = None,
 ) -> dict[str, dict]:
-    """Measure every candidate for each (N, K) in ``shapes`` and each bucket <= ``max_m``; return new entries.
+    """Measure the candidates for each (N, K) in ``shapes`` and each bucket <= ``max_m``; return new entries.
 
-    Per (N, K): nrot weight copies (>= ``rot_bytes`` in all, so weights are read from HBM, not L2). Per (N, K,
-    bucket point): one x ~ N(0, 1) and its float64 block-scaled reference on one column per 16; per candidate a first
-    eager call (JIT; wall time kept as ``first_call_s``), the check (rel. Frobenius error <= ``rel_tol``, finite; a
-    failure or an exception from ``candidate_errors()`` rejects the candidate for that entry), then a CUDA-graph
-    timing. ``skip``: entries already valid (not re-measured). No new bucket starts after ``budget_s``.
-    ``device``/``timer`` exist for the CPU test of this loop (timer(call, nrot, calls, reps) -> us per call).
+    Two phases, both by measurement. Phase 1 times ``deepgemm_default`` everywhere (the kernels it JIT-compiles are
+    the ones CUDA-graph capture needs anyway) and its efficiency: ``linear_bytes`` / time / copy bandwidth
+    (``copy_gbs``, measured here if not given). Phase 2 measures the other candidates where that efficiency is below
+    ``alt_below``, least efficient first, so a budget cut leaves the least to gain on the default; an entry whose
+    default is at least that efficient is complete without alternatives (each new candidate configuration costs a
+    JIT compile of seconds). Entries phase 2 did not reach are not returned (a later start measures them).
+
+    Each measurement: one x ~ N(0, 1) per (N, K, bucket point) and its float64 block-scaled reference on one column
+    per 16; per candidate a first eager call (JIT; wall time kept as ``first_call_s``), the check (rel. Frobenius
+    error <= ``rel_tol``, finite; a failure or an exception from ``candidate_errors()`` rejects the candidate for that
+    entry), then a CUDA-graph timing. ``skip``: entries already valid. No new measurement starts after ``budget_s``.
+    ``device``/``timer``/``copy_gbs`` exist for the CPU test of this loop (timer(call, nrot, calls, reps) -> us).
     """
     import torch
-
-    from sglang_fp8rl.quant import quantize_activation_groups
 
     cands = candidates if candidates is not None else make_candidates()
     names = list(cands)
@@ -500,61 +535,105 @@ def autotune(
         raise ValueError(f"autotune: {DEFAULT} must be the first candidate, got {names[0]}")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     on_cuda = dev.type == "cuda"
-    timer = timer or time_graph
-    device_sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_cuda else 0
-    deepgemm_ok, ue8m0 = _deepgemm_flags() if on_cuda else (False, False)
-    errors = candidate_errors()
-
-    def sync():
-        if on_cuda:
-            torch.cuda.synchronize()
-
-    gen = torch.Generator(device=dev).manual_seed(seed)
+    ctx = {
+        "dev": dev, "timer": timer or time_graph, "calls": calls, "reps": reps, "rel_tol": rel_tol,
+        "sms": torch.cuda.get_device_properties(dev).multi_processor_count if on_cuda else 0,
+        "flags": _deepgemm_flags() if on_cuda else (False, False), "errors": candidate_errors(),
+        "sync": torch.cuda.synchronize if on_cuda else (lambda: None),
+        "gen": torch.Generator(device=dev).manual_seed(seed),
+    }
+    if copy_gbs is None:
+        copy_gbs = measure_copy_gbs(dev) if on_cuda else float("inf")
     t0 = time.time()
+
+    def spent() -> bool:
+        return time.time() - t0 > budget_s
+
+    operands: dict[tuple[int, int], dict] = {}
+    pending: list[tuple[float, str, dict]] = []  # (default's efficiency, key, entry) waiting for phase 2
     out: dict[str, dict] = {}
     for n, k in sorted(set(shapes), key=lambda s: -s[0] * s[1]):  # largest weights first
-        todo = [b for b in buckets_upto(max_m) if shape_key(n, k, b) not in (skip or {})]
-        if not todo:
-            continue
-        if time.time() - t0 > budget_s:
-            log(f"gemm_select: budget {budget_s:.0f}s spent, N={n} K={k} left on {DEFAULT} until a later start")
-            continue
-        nrot = int(min(16, max(2, math.ceil(rot_bytes / (n * k)))))
-        ws = [random_block_weight(n, k, dev, gen)]
-        ws += [(ws[0][0].clone(), ws[0][1].clone()) for _ in range(nrot - 1)]
-        cols = check_columns(n, generator=gen, device=dev)
-        for b in todo:
-            if time.time() - t0 > budget_s:
-                log(f"gemm_select: budget {budget_s:.0f}s spent at N={n} K={k} M={b}")
+        for b in buckets_upto(max_m):
+            key = shape_key(n, k, b)
+            if key in (skip or {}):
+                continue
+            if spent():
                 break
-            entry = {"choice": DEFAULT, "candidates": names, "us": {}, "rejected": {}, "first_call_s": {},
-                     "rel_err": {}, "points": list(bucket_points(b, points)), "time": round(time.time())}
-            for m in entry["points"]:
-                xs = [torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(nrot)]
-                xq, xsc = quantize_activation_groups(xs[0], BLOCK[1])
-                ref = block_scaled_reference(xq, xsc, ws[0][0], ws[0][1], BLOCK, cols)
-                for name, c in cands.items():
-                    if name in entry["rejected"]:
-                        continue
-                    why = unsupported_reason(c, n, k, device_sms, deepgemm_ok, ue8m0, m)
-                    if why:
-                        entry["rejected"][name] = why
-                        entry["us"].pop(name, None)
-                        continue
-                    try:
-                        entry["us"][name] = entry["us"].get(name, 0.0) + _measure(
-                            c, xs, ws, cols, ref, nrot, calls, reps, rel_tol, timer, sync, entry, m)
-                    except errors as e:
-                        entry["rejected"][name] = f"{type(e).__name__}: {e}"[:300]
-                        entry["us"].pop(name, None)
-                        sync()
-            entry["choice"] = choose(entry["us"], entry["rejected"], min_gain)
-            out[shape_key(n, k, b)] = entry
-        del ws
-        if on_cuda:
-            torch.cuda.empty_cache()
+            ops = operands.get((n, k)) or operands.setdefault((n, k), _operands(n, k, rot_bytes, ctx))
+            entry = {"choice": DEFAULT, "candidates": names, "us": {}, "rejected": {}, "skipped": {},
+                     "first_call_s": {}, "rel_err": {}, "points": list(bucket_points(b, points)),
+                     "time": round(time.time()), "copy_GBs": round(copy_gbs, 1)}
+            entry["inputs"] = [_inputs(m, k, ops, ctx) for m in entry["points"]]
+            _run_candidate(cands[DEFAULT], n, k, entry, ops, ctx)
+            us = entry["us"].get(DEFAULT)
+            eff = sum(linear_bytes(m, n, k) for m in entry["points"]) / (us * 1e-6) / 1e9 / copy_gbs if us else 0.0
+            entry["default_frac_copy_bw"] = round(eff, 3)
+            if eff >= alt_below:
+                for name in names[1:]:
+                    entry["skipped"][name] = f"default at {eff:.0%} of copy bandwidth (>= {alt_below:.0%})"
+                out[key] = _finish(entry, min_gain)
+            else:
+                pending.append((eff, key, entry))
+    for eff, key, entry in sorted(pending, key=lambda p: p[0]):  # least efficient default first
+        if spent():
+            break
+        n, k, _ = parse_shape_key(key)
+        for name, c in list(cands.items())[1:]:
+            _run_candidate(c, n, k, entry, operands[(n, k)], ctx)
+        out[key] = _finish(entry, min_gain)
+    left = len(pending) - sum(1 for _, key, _ in pending if key in out)
+    if spent():
+        log(f"gemm_select: budget {budget_s:.0f}s spent; {left} entries wait for a later start")
+    operands.clear()
+    if on_cuda:
+        torch.cuda.empty_cache()
     log(f"gemm_select: measured {len(out)} (N, K, M bucket) entries in {time.time() - t0:.1f}s")
     return out
+
+
+def _operands(n: int, k: int, rot_bytes: float, ctx: dict) -> dict:
+    """nrot copies of one random block-FP8 weight (>= rot_bytes in all: read from HBM, not L2) and check columns."""
+    nrot = int(min(16, max(2, math.ceil(rot_bytes / (n * k)))))
+    ws = [random_block_weight(n, k, ctx["dev"], ctx["gen"])]
+    ws += [(ws[0][0].clone(), ws[0][1].clone()) for _ in range(nrot - 1)]
+    return {"ws": ws, "nrot": nrot, "cols": check_columns(n, generator=ctx["gen"], device=ctx["dev"])}
+
+
+def _inputs(m: int, k: int, ops: dict, ctx: dict) -> dict:
+    """Activations for one M and the float64 reference of the first one (shared by every candidate)."""
+    import torch
+
+    from sglang_fp8rl.quant import quantize_activation_groups
+
+    xs = [torch.randn(m, k, device=ctx["dev"], generator=ctx["gen"], dtype=torch.bfloat16) for _ in range(ops["nrot"])]
+    xq, xsc = quantize_activation_groups(xs[0], BLOCK[1])
+    ref = block_scaled_reference(xq, xsc, ops["ws"][0][0], ops["ws"][0][1], BLOCK, ops["cols"])
+    return {"m": m, "xs": xs, "ref": ref}
+
+
+def _run_candidate(c: Candidate, n: int, k: int, entry: dict, ops: dict, ctx: dict) -> None:
+    """Measure one candidate at every point of the entry (summed), or record why it is rejected."""
+    for inp in entry["inputs"]:
+        why = unsupported_reason(c, n, k, ctx["sms"], *ctx["flags"], inp["m"])
+        if why:
+            entry["rejected"][c.name] = why
+            entry["us"].pop(c.name, None)
+            return
+        try:
+            us = _measure(c, inp["xs"], ops["ws"], ops["cols"], inp["ref"], ops["nrot"], ctx["calls"], ctx["reps"],
+                          ctx["rel_tol"], ctx["timer"], ctx["sync"], entry, inp["m"])
+        except ctx["errors"] as e:
+            entry["rejected"][c.name] = f"{type(e).__name__}: {e}"[:300]
+            entry["us"].pop(c.name, None)
+            ctx["sync"]()
+            return
+        entry["us"][c.name] = entry["us"].get(c.name, 0.0) + us
+
+
+def _finish(entry: dict, min_gain: float) -> dict:
+    entry.pop("inputs", None)
+    entry["choice"] = choose(entry["us"], entry["rejected"], min_gain)
+    return entry
 
 
 def _measure(c: Candidate, xs, ws, cols, ref, nrot, calls, reps, rel_tol, timer, sync, entry, m) -> float:
