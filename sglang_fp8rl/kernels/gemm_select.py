@@ -514,12 +514,12 @@ def autotune(
 ) -> dict[str, dict]:
     """Measure the candidates for each (N, K) in ``shapes`` and each bucket <= ``max_m``; return new entries.
 
-    Two phases, both by measurement. Phase 1 times ``deepgemm_default`` everywhere (the kernels it JIT-compiles are
-    the ones CUDA-graph capture needs anyway) and its efficiency: ``linear_bytes`` / time / copy bandwidth
-    (``copy_gbs``, measured here if not given). Phase 2 measures the other candidates where that efficiency is below
-    ``alt_below``, least efficient first, so a budget cut leaves the least to gain on the default; an entry whose
-    default is at least that efficient is complete without alternatives (each new candidate configuration costs a
-    JIT compile of seconds). Entries phase 2 did not reach are not returned (a later start measures them).
+    Shapes go largest weight first (most decode time), each in two phases, both by measurement. Phase 1 times
+    ``deepgemm_default`` at every bucket (the kernels it JIT-compiles are the ones CUDA-graph capture needs anyway)
+    and its efficiency: ``linear_bytes`` / time / copy bandwidth (``copy_gbs``, measured here if not given). Phase 2
+    measures the other candidates where that efficiency is below ``alt_below``, least efficient first; an entry
+    whose default is at least that efficient is complete without alternatives (each new candidate configuration
+    costs a JIT compile of seconds). Entries the budget cut are not returned (a later start measures them).
 
     Each measurement: one x ~ N(0, 1) per (N, K, bucket point) and its float64 block-scaled reference on one column
     per 16; per candidate a first eager call (JIT; wall time kept as ``first_call_s``), the check (rel. Frobenius
@@ -549,17 +549,19 @@ def autotune(
     def spent() -> bool:
         return time.time() - t0 > budget_s
 
-    operands: dict[tuple[int, int], dict] = {}
-    pending: list[tuple[float, str, dict]] = []  # (default's efficiency, key, entry) waiting for phase 2
     out: dict[str, dict] = {}
-    for n, k in sorted(set(shapes), key=lambda s: -s[0] * s[1]):  # largest weights first
-        for b in buckets_upto(max_m):
-            key = shape_key(n, k, b)
-            if key in (skip or {}):
-                continue
+    waiting = 0
+    for n, k in sorted(set(shapes), key=lambda s: -s[0] * s[1]):  # largest weights (most time) first
+        todo = [b for b in buckets_upto(max_m) if shape_key(n, k, b) not in (skip or {})]
+        if not todo or spent():
+            waiting += len(todo)
+            continue
+        ops = _operands(n, k, rot_bytes, ctx)
+        pending: list[tuple[float, str, dict]] = []  # (default's efficiency, key, entry) for phase 2
+        for b in todo:
             if spent():
-                break
-            ops = operands.get((n, k)) or operands.setdefault((n, k), _operands(n, k, rot_bytes, ctx))
+                waiting += 1
+                continue
             entry = {"choice": DEFAULT, "candidates": names, "us": {}, "rejected": {}, "skipped": {},
                      "first_call_s": {}, "rel_err": {}, "points": list(bucket_points(b, points)),
                      "time": round(time.time()), "copy_GBs": round(copy_gbs, 1)}
@@ -571,22 +573,22 @@ def autotune(
             if eff >= alt_below:
                 for name in names[1:]:
                     entry["skipped"][name] = f"default at {eff:.0%} of copy bandwidth (>= {alt_below:.0%})"
-                out[key] = _finish(entry, min_gain)
+                out[shape_key(n, k, b)] = _finish(entry, min_gain)
             else:
-                pending.append((eff, key, entry))
-    for eff, key, entry in sorted(pending, key=lambda p: p[0]):  # least efficient default first
-        if spent():
-            break
-        n, k, _ = parse_shape_key(key)
-        for name, c in list(cands.items())[1:]:
-            _run_candidate(c, n, k, entry, operands[(n, k)], ctx)
-        out[key] = _finish(entry, min_gain)
-    left = len(pending) - sum(1 for _, key, _ in pending if key in out)
-    if spent():
-        log(f"gemm_select: budget {budget_s:.0f}s spent; {left} entries wait for a later start")
-    operands.clear()
-    if on_cuda:
-        torch.cuda.empty_cache()
+                pending.append((eff, shape_key(n, k, b), entry))
+        for eff, key, entry in sorted(pending, key=lambda p: p[0]):  # least efficient default first
+            if spent():
+                entry.pop("inputs", None)
+                waiting += 1
+                continue
+            for c in list(cands.values())[1:]:
+                _run_candidate(c, n, k, entry, ops, ctx)
+            out[key] = _finish(entry, min_gain)
+        del ops, pending
+        if on_cuda:
+            torch.cuda.empty_cache()
+    if waiting:
+        log(f"gemm_select: budget {budget_s:.0f}s spent; {waiting} entries wait for a later start")
     log(f"gemm_select: measured {len(out)} (N, K, M bucket) entries in {time.time() - t0:.1f}s")
     return out
 
