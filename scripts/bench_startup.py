@@ -24,9 +24,9 @@ import subprocess
 import sys
 import time
 
-import requests
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "gpu"))
+from check_server import wait_healthy  # noqa: E402  (scripts/gpu/check_server.py: polls /health_generate)
 COMMON = ["--load-format", "dummy", "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend",
           "pytorch", "--grammar-backend", "none", "--dtype", "bfloat16", "--host", "127.0.0.1"]
 RUNS = (("bf16_cold", False, "bf16"), ("fp8_cold", True, "fp8"), ("fp8_warm", True, "fp8"))
@@ -38,20 +38,6 @@ def cache_env(root: str) -> dict[str, str]:
     return {"TRITON_CACHE_DIR": os.path.join(root, "triton"), "SGLANG_DG_CACHE_DIR": os.path.join(root, "deep_gemm"),
             "FP8RL_GEMM_SELECT_CACHE": os.path.join(root, "gemm_select.json"),
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor")}
-
-
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> float:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health_generate", timeout=5).status_code == 200:
-                return time.time() - t0
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"not ready after {timeout:.0f} s")
 
 
 def parse_log(text: str) -> dict:
@@ -72,7 +58,7 @@ def run_one(name: str, fp8: bool, model: str, port: int, env: dict, log: str, ti
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     res = {"name": name, "cmd": " ".join(cmd)}
     try:
-        res["start_s"] = round(wait_ready(port, proc, timeout), 1)
+        res["start_s"] = round(wait_healthy(port, proc, timeout), 1)
     except (RuntimeError, TimeoutError) as e:
         res["error"] = str(e)
     finally:
@@ -98,7 +84,6 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=30040)
     p.add_argument("--runs", nargs="+", default=[r[0] for r in RUNS], choices=[r[0] for r in RUNS])
     args = p.parse_args(argv)
-    sys.path.insert(0, os.path.join(HERE, "gpu"))
     import make_models
 
     model = make_models.ensure(args.model_dir, [args.model])[0]

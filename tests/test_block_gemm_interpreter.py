@@ -8,17 +8,15 @@ So the exactness checks here use a float32 output and compare with the float64 b
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from triton_interpreter import run_under_interpreter
+
 from sglang_fp8rl.kernels import gemm_select as gs
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 INTERPRETER_CHECK = textwrap.dedent(
     """
@@ -69,10 +67,7 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 def test_block_gemm_under_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(
-        [sys.executable, "-c", INTERPRETER_CHECK], env=env, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT
-    )
+    result = run_under_interpreter(INTERPRETER_CHECK)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "block_gemm interpreter ok" in result.stdout
 

@@ -10,19 +10,17 @@ checked on the GPU (tests/gpu/test_triton_quant.py).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from triton_interpreter import run_under_interpreter
+
 from sglang_fp8rl import quant
 from sglang_fp8rl.kernels import dispatch
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def random_weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -284,9 +282,6 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 def test_kernels_under_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(
-        [sys.executable, "-c", INTERPRETER_CHECK], env=env, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT
-    )
+    result = run_under_interpreter(INTERPRETER_CHECK)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "interpreter ok" in result.stdout

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(SCRIPTS, "gpu"))
 
 import accuracy_regression as AR  # noqa: E402
 import bench_rollout as BR  # noqa: E402
+import bench_startup as BS  # noqa: E402
 import make_models as MM  # noqa: E402
 import train_toy_policy as TT  # noqa: E402
 
@@ -540,3 +541,29 @@ def test_accuracy_regression_main_with_fake_engine(tmp_path, monkeypatch):
     assert kw["attention_backend"] == "triton" and kw["sampling_backend"] == "pytorch" and kw["grammar_backend"] == "none"
     assert kw["mem_fraction_static"] == 0.3 and kw["disable_radix_cache"] and kw["cuda_graph_bs_decode"] == [4]
     assert "KL(BF16‖FP8) continuation positions" in (out / "summary.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bench_startup.py: log parsing and the cache folders a cold start empties
+
+
+def test_bench_startup_parses_the_gemm_select_lines():
+    log = "\n".join([
+        "[2026-11-22 06:44:00] Load weight end. elapsed=1.64 s",
+        "[2026-11-22 06:44:30] [fp8rl] gemm_select: measured 6 entries for 4 shapes in 29.3 s (budget 20 s)",
+        "[2026-11-22 06:44:30] [fp8rl] fp8_online_blockwise: linear layers block=144, channel=0, bf16=0",
+    ])
+    info = BS.parse_log(log)
+    assert info["gemm_measured_entries"] == 6 and info["gemm_measure_s"] == 29.3
+    assert len(info["fp8rl_lines"]) == 2 and not info["deepgemm_precompile"]
+    assert BS.parse_log("Entering DeepGEMM JIT Pre-Compile session.")["deepgemm_precompile"]
+    assert BS.parse_log("")["gemm_measured_entries"] == 0
+
+
+def test_bench_startup_cold_caches_cover_every_jit_cache(tmp_path):
+    env = BS.cache_env(str(tmp_path))
+    assert set(env) == {"TRITON_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "FP8RL_GEMM_SELECT_CACHE", "TORCHINDUCTOR_CACHE_DIR"}
+    assert all(v.startswith(str(tmp_path)) for v in env.values())
+    from sglang_fp8rl.kernels import gemm_select
+
+    assert gemm_select.ENV_CACHE == "FP8RL_GEMM_SELECT_CACHE"
