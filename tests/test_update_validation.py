@@ -113,3 +113,23 @@ def test_stream_is_validated_in_chunks(monkeypatch):
     assert U.validate_stream(model, iter(stream)) == 2 and seen == [2]
     with pytest.raises(U.UpdateRejected, match="appears more than once"):
         U.validate_stream(model, iter(stream + [good()[0]]))
+
+
+def test_dry_run_is_remembered_per_request_signature():
+    model = TinyModel()
+    stats = lambda: U.UpdateStats(index=1, ok=False, message="")  # noqa: E731
+    U.validate_update(model, model.load_weights, good(), stats())
+    assert model.calls == 1
+    again = U.validate_update(model, model.load_weights, good(), stats())  # new values, same names and shapes
+    assert model.calls == 1 and [n for n, _ in again] == ["a", "b"]
+    bad_values = good()
+    bad_values[1][1][0] = float("nan")
+    with pytest.raises(U.UpdateRejected, match="^b: contains NaN/Inf"):  # values are still checked every time
+        U.validate_update(model, model.load_weights, bad_values, stats())
+    U.validate_update(model, model.load_weights, good()[:1], stats())  # another signature: a new dry run
+    assert model.calls == 2
+    wrong = [good()[0], ("b", torch.randn(6, dtype=torch.bfloat16))]
+    for _ in range(2):  # a rejected request is never remembered as valid
+        with pytest.raises(U.UpdateRejected, match="^b: not accepted"):
+            U.validate_update(model, model.load_weights, wrong, stats())
+    assert U.request_signature(good()) == (("a", (4, 3), torch.bfloat16, "cpu"), ("b", (5,), torch.bfloat16, "cpu"))

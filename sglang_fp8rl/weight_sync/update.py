@@ -8,7 +8,9 @@ method of a model served with `fp8_online_blockwise` by :class:`GuardedLoadWeigh
    tensor, one device sync per request); and a *dry run* of the model's own ``load_weights`` over the whole request
    with every parameter's loader replaced by a checker, which proves that each name resolves to a parameter and that
    its shape fits (for FP8 layers through our sharding helpers, for BF16 parameters by running SGLang's loader into
-   a scratch tensor). Any failure raises
+   a scratch tensor). The dry run's outcome depends only on names, shapes and dtypes, so it is remembered per
+   request signature and skipped when a trainer sends the same request again; the values are checked every time.
+   Any failure raises
    :class:`UpdateRejected` naming the tensor and the reason; the model keeps its previous weights byte for byte;
 2. **apply**: the model's own ``load_weights``, whose FP8 loaders re-quantize into the existing storage.
 
@@ -19,6 +21,7 @@ succeeds.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -36,6 +39,7 @@ logger = logging.getLogger(__name__)
 # names that SGLang's model loaders skip on purpose (not parameters); accepted and ignored
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 DRY_RUN_ERRORS = (ValueError, AssertionError, KeyError, RuntimeError, IndexError, TypeError)
+DRY_RUN_CACHE_SIZE = 256  # request signatures remembered per model (an 8B model in 512 MB buckets uses ~33)
 STREAM_CHUNK = 64  # tensors validated together on the disk path (bounded host memory, few loader swaps)
 
 
@@ -305,12 +309,33 @@ def is_ignored_name(model: torch.nn.Module, name: str) -> bool:
 # validate + apply
 
 
+def request_signature(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple:
+    """What a dry run's outcome depends on: the names, shapes, dtypes and device types, in order (not the values)."""
+    return tuple((name, tuple(t.shape), t.dtype, t.device.type) for name, t in named_tensors)
+
+
+def cached_dry_run(model: torch.nn.Module, load_weights: Callable,
+                   named_tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, DryRunRecord]:
+    """dry_run, remembered per request signature: an RL trainer sends the same names and shapes every step."""
+    cache = model.__dict__.setdefault("_fp8rl_dry_runs", collections.OrderedDict())
+    key = request_signature(named_tensors)
+    records = cache.get(key)
+    if records is None:
+        records = dry_run(model, load_weights, named_tensors)  # raises UpdateRejected: nothing is remembered
+        cache[key] = records
+        if len(cache) > DRY_RUN_CACHE_SIZE:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return records
+
+
 def validate_update(model: torch.nn.Module, load_weights: Callable,
                     named_tensors: Sequence[tuple[str, torch.Tensor]], stats: UpdateStats) -> list[tuple[str, torch.Tensor]]:
     """Check the whole request before anything is written; returns the tensors to load (ignored names dropped)."""
     check_unique([name for name, _ in named_tensors])
     check_tensors(named_tensors)
-    records = dry_run(model, load_weights, named_tensors)
+    records = cached_dry_run(model, load_weights, named_tensors)
     to_load = []
     for name, tensor in named_tensors:
         record = records[name]
