@@ -3,7 +3,7 @@
 #
 # Stages (run in the order given; each has a timeout, and the whole call a DEADLINE so it ends inside the
 # device tool's 600 s per-command limit; a stage that cannot get its minimum time is skipped, not started):
-#   tests     python -m pytest tests/gpu -q -m gpu                                      (T_TESTS, default 240 s)
+#   tests     python -m pytest tests/gpu -q -m gpu                                      (T_TESTS, default 480 s)
 #   accuracy  scripts/train_toy_policy.py (skipped when $WORK/toy already holds a checkpoint: warm machine)
 #             then scripts/accuracy_regression.py --task addition (BF16 vs fp8_online_blockwise)  (~4-6 min cold)
 #   rollout   scripts/bench_rollout.py: bf16, fp8_online_blockwise, block_prequant, fp8_channel on Qwen3-8B shapes,
@@ -91,7 +91,7 @@ say "$(sed -n 2p "$LOGS/env.txt") | stages: $*"
 for st in "$@"; do
   case $st in
     tests)
-      run_stage tests 60 "${T_TESTS:-240}" $PY -m pytest tests/gpu -q -m gpu -p no:cacheprovider -rfEs
+      run_stage tests 60 "${T_TESTS:-480}" $PY -m pytest tests/gpu -q -m gpu -p no:cacheprovider -rfEs
       rc=$?; [ $rc = 5 ] && say "tests: pytest collected no GPU test (rc 5)" ;;
     accuracy)
       if [ ! -f "$WORK/toy/model.safetensors" ]; then

@@ -40,8 +40,9 @@ def block_shapes() -> list[tuple[int, int]]:
 
 
 SHAPES = block_shapes()
-# DeepGEMM JIT-compiles one kernel per tile configuration (2-6 s each on a cold cache), so its candidates are checked
-# on Qwen3-8B's TP 1/2 shapes by default; FP8RL_GPU_TEST_FULL=1 checks them on every shape.
+# DeepGEMM JIT-compiles one kernel per tile configuration (2-6 s each on a cold cache; ~40 s per shape measured on
+# H100), so the DeepGEMM candidates (SGLang's default included) are checked on Qwen3-8B's TP 1/2 shapes by default;
+# FP8RL_GPU_TEST_FULL=1 checks them on every shape. Our kernel and Triton run on every shape.
 DEEPGEMM_SHAPES = {(n, k) for model in ("Qwen3-8B",) for row in decision_table(KNOWN_MODELS[model], (1, 2))
                    for n, k in [(sum(row["shards"].values()), row["k_local"])]}
 FULL = os.environ.get("FP8RL_GPU_TEST_FULL", "0") == "1"
@@ -70,14 +71,15 @@ def test_every_candidate_matches_float64(candidates, n, k):
         for name, c in candidates.items():
             if gs.unsupported_reason(c, n, k, sms, deepgemm_ok, ue8m0):
                 continue
-            if c.needs_deepgemm and not FULL and (n, k) not in DEEPGEMM_SHAPES:
+            if name.startswith("deepgemm") and not FULL and (n, k) not in DEEPGEMM_SHAPES:
                 continue
             out = c.fn(x, wq, ws, None)
             torch.cuda.synchronize()
             err = gs.rel_error(out, ref)
             assert out.shape == (m, n) and err <= BOUND, f"{name} N={n} K={k} M={m}: rel err {err:.3g} (seed {seed})"
             ran.append(name)
-    assert gs.DEFAULT in ran and any(name.startswith(gs.OURS_PREFIX) for name in ran)
+    assert any(name.startswith(gs.OURS_PREFIX) for name in ran)
+    assert gs.DEFAULT in ran or not (FULL or (n, k) in DEEPGEMM_SHAPES)
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 4])
