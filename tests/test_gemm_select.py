@@ -543,6 +543,7 @@ def install_fake_tuning(monkeypatch, calls):
 
     def autotune(shapes, **kw):
         calls.append((list(shapes), sorted(kw["skip"]), kw["budget_s"]))
+        assert kw.pop("log") == gs.logger.debug  # progress lines are debug; the decision log is prepare_model's
         return real(shapes, device="cpu", timer=fake_timer(last), log=lambda s: None, **kw)
 
     monkeypatch.setattr(gs, "autotune", autotune)

@@ -709,7 +709,8 @@ def prepare_model(model, budget_s: float | None = None, max_m: int = DEFAULT_MAX
     valid = {key: e for key, e in entries.items() if key in wanted and valid_choice(e, names)}
     if options.gemm_select == "auto" and len(valid) < len(wanted) and budget > 0:
         t0 = time.time()
-        new = autotune(shapes, max_m=max_m, candidates=registry(), budget_s=budget, skip=valid)
+        # autotune's own progress lines go to debug: the one summary and table below are the decision log
+        new = autotune(shapes, max_m=max_m, candidates=registry(), budget_s=budget, skip=valid, log=logger.debug)
         entries.update(new)
         valid.update(new)
         try:
