@@ -26,7 +26,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "gpu"))
+sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package, as bench_gemm.py does
 from check_server import wait_healthy  # noqa: E402  (scripts/gpu/check_server.py: polls /health_generate)
+
+from sglang_fp8rl.kernels import gemm_select  # noqa: E402
+
 COMMON = ["--load-format", "dummy", "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend",
           "pytorch", "--grammar-backend", "none", "--dtype", "bfloat16", "--host", "127.0.0.1"]
 RUNS = (("bf16_cold", False, "bf16"), ("fp8_cold", True, "fp8"), ("fp8_warm", True, "fp8"))
@@ -36,7 +40,7 @@ TARGET_EXTRA_S = 30.0
 def cache_env(root: str) -> dict[str, str]:
     """Every on-disk JIT / measurement cache a start can use, under ``root``."""
     return {"TRITON_CACHE_DIR": os.path.join(root, "triton"), "SGLANG_DG_CACHE_DIR": os.path.join(root, "deep_gemm"),
-            "FP8RL_GEMM_SELECT_CACHE": os.path.join(root, "gemm_select.json"),
+            gemm_select.ENV_CACHE: os.path.join(root, "gemm_select.json"),
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor")}
 
 
@@ -102,7 +106,8 @@ def main(argv=None) -> int:
         results.append(r)
     by = {r["name"]: r.get("start_s") for r in results}
     lines = [f"## Server start, {args.model} (dummy weights), stock launch_server, caches fresh for *_cold", "",
-             "| run | ready after (s) | gemm_select entries measured | measurement (s) | note |", "|---|---:|---:|---:|---|"]
+             "| run | ready after (s) | gemm_select entries measured | measurement (s) | note |",
+             "|---|---:|---:|---:|---|"]
     for r in results:
         lines.append(f"| {r['name']} | {r.get('start_s', 'n/a')} | {r['gemm_measured_entries']} | "
                      f"{r['gemm_measure_s']} | {r.get('error', '')} |")

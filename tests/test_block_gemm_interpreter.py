@@ -2,7 +2,8 @@
 
 The interpreter runs the kernel's own code (masks, K loop, scales, split-K partials and the counter-driven reduction)
 on CPU tensors, sequentially. What it cannot show: speed, the GPU's memory ordering of the split-K reduction, and the
-BF16 output rounding (the interpreter truncates FP32 -> BF16); those are GPU tests (tests/gpu/test_block_gemm.py; this file has another name because pytest needs unique basenames).
+BF16 output rounding (the interpreter truncates FP32 -> BF16); those are GPU tests (tests/gpu/test_block_gemm.py;
+this file has another name because pytest needs unique basenames).
 So the exactness checks here use a float32 output and compare with the float64 block-scaled product.
 """
 

@@ -560,6 +560,7 @@ def test_prepare_model_auto_measures_missing_then_reads_the_cache(monkeypatch, s
     calls: list = []
     cands = install_fake_tuning(monkeypatch, calls)
     model = fake_model([(256, 384)])
+    assert gs.select(3, 256, 384) == gs.DEFAULT  # the apply path's lookup before anything is measured
     with caplog.at_level("INFO", logger=gs.__name__):
         got = gs.prepare_model(model, max_m=8)
     assert calls == [([(256, 384)], [], 30.0)]
@@ -567,7 +568,8 @@ def test_prepare_model_auto_measures_missing_then_reads_the_cache(monkeypatch, s
     assert all(e["choice"] == "fast" for e in got.values())
     table = [r for r in caplog.records if "gemm_select (auto" in r.getMessage()]
     assert len(table) == 1 and "| 256 | 384 | 8 | fast |" in table[0].getMessage()
-    assert gs.select(3, 256, 384, names=list(cands)) == "fast"  # the apply path sees it
+    assert gs.select(3, 256, 384, names=list(cands)) == "fast"
+    assert gs.select(3, 256, 384) == "fast"  # the apply path's lookup sees what was just measured
     # a new process (fresh state) with the same cache: nothing is measured again
     gs.reset_state()
     calls.clear()

@@ -106,7 +106,8 @@ def test_stream_is_validated_in_chunks(monkeypatch):
     model = TinyModel()
     seen = []
     real = U.validate_update
-    monkeypatch.setattr(U, "validate_update", lambda m, lw, named, stats: seen.append(len(named)) or real(m, lw, named, stats))
+    monkeypatch.setattr(U, "validate_update",
+                        lambda m, lw, named, stats: seen.append(len(named)) or real(m, lw, named, stats))
     stream = [good()[0], good()[1]]
     assert U.validate_stream(model, iter(stream), chunk=1) == 2 and seen == [1, 1]
     seen.clear()

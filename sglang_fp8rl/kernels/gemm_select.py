@@ -10,17 +10,19 @@ quantized inside the candidate) and an M bucket it picks one named candidate:
   128x192 tile without multicast (101 us), while with ``num_sms <= 124`` it picks 128x112 / 128x128 (42 us;
   ``shared/research/gpu_gemm_micro.md``). ``num_sms`` is host state read when the launch is built, so a captured CUDA
   graph keeps the launch it recorded;
-* ``triton_default``: SGLang's ``triton_w8a8_block_fp8_linear``;
-* ``fp8rl_n{64,128}_sk{1,2,4}``: our decode kernel (:mod:`sglang_fp8rl.kernels.block_gemm`, swap-AB, deterministic
-  split-K) after SGLang's 1x128 activation quantization; M <= 128 only.
+* ``fp8rl_n64_sk4``: our decode kernel (:mod:`sglang_fp8rl.kernels.block_gemm`, swap-AB, deterministic split-K)
+  after SGLang's 1x128 activation quantization, tried at M <= 16 only;
+* ``triton_default`` (SGLang's ``triton_w8a8_block_fp8_linear``) and our other kernel configurations are candidates
+  of ``scripts/bench_gemm.py`` but not of the server: on H100 they never won a bucket (docs/RESULTS.md, sec. 7b).
 
 When: :func:`prepare_model` runs once after the model is loaded and before CUDA graphs are captured. It looks up
 every (N, K) of the model's blockwise layers on this rank in the cache (keyed by GPU, SM count and the versions of
 torch / triton / sglang / deep_gemm), measures what is missing (mode ``auto``) within a wall budget, writes the
-cache, and logs the table once. Buckets are measured largest weight first, so a budget cut leaves the small shapes
-on the default. Each measurement: a first eager call (JIT), a float64 check of the block-scaled product on one column
-per 16, then a CUDA-graph timing with the weights rotated out of L2. A candidate that fails the check or raises is
-rejected for that entry; a non-default one must beat the default by ``MIN_GAIN``.
+cache, and logs the table once. Shapes are measured largest weight first, so a budget cut leaves the small shapes
+on the default (see :func:`autotune` for the two phases). Each measurement: a first eager call (JIT), a float64
+check of the block-scaled product on one column per 16, then a CUDA-graph timing with the weights rotated out of
+L2. A candidate that fails the check or raises is rejected for that entry; a non-default one must beat the default
+by ``MIN_GAIN``.
 
 Modes (``--fp8rl-gemm-select``): ``auto`` (default) tune what is missing at load; ``cache`` only use cached choices;
 ``off`` always SGLang's dispatch.
@@ -48,7 +50,6 @@ logger = logging.getLogger(__name__)
 
 ENV_CACHE = "FP8RL_GEMM_SELECT_CACHE"  # path of the JSON cache (default ~/.cache/sglang_fp8rl/gemm_select.json)
 
-MODES = ("auto", "cache", "off")
 SCHEMA = 2
 DEFAULT = "deepgemm_default"
 TRITON = "triton_default"
@@ -57,7 +58,7 @@ OURS_PREFIX = "fp8rl_"
 DEFAULT_SMS = (124, 112)  # num_sms variants: 124 / 112 fix gate_up at M 80-128 (x2.3); fewer SMs never won
 # (block_n, split_k) of block_gemm kept as candidates, and the largest M they are tried at: on H100 (docs/RESULTS.md,
 # bench_gemm) split-K 4 beat DeepGEMM only at M <= 8 (o_proj / down / qkv at M=1: x1.16 / x1.16 / x1.05) and every
-# config lost above M=16, so the others are left out of the load-time measurement (bench_gemm.py --all-ours has them)
+# config lost above M=16, so the others are left out of the load-time measurement (bench_gemm.py measures them all)
 OURS_CONFIGS = ((64, 4),)
 ALL_OURS_CONFIGS = ((64, 1), (64, 2), (64, 4), (128, 1))
 OURS_MAX_M = 16
@@ -68,8 +69,9 @@ MIN_GAIN = 0.03
 ALT_BELOW = 0.70  # alternatives are measured where the default moves less than this fraction of copy bandwidth
 BLOCK = (128, 128)
 
-# process state: the cached entries of this environment, the registry, SGLang's default linear, the log flag
-_STATE: dict[str, Any] = {"entries": None, "info": None, "registry": None, "default_linear": None, "logged": False}
+# process state: the cached entries of this environment, the registry, the valid choice per shape key (derived from
+# both once, for the apply path), SGLang's default linear
+_STATE: dict[str, Any] = {"entries": None, "info": None, "registry": None, "choices": None, "default_linear": None}
 
 _SMALL = (1, 2, 4, 8)
 _BUCKETS = _SMALL + tuple(range(16, 257, 16)) + (320, 384, 448, 512)
@@ -170,9 +172,10 @@ def parse_shape_key(key: str) -> tuple[int, int, int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# cache: {"schema": 1, "envs": {env_key: {"info": {...}, "entries": {shape_key: entry}}}}
-# entry: {"choice": name, "candidates": [names measured], "us": {name: us}, "rejected": {name: reason},
-#         "first_call_s": {name: s}, "rel_err": {name: err}, "time": unix}
+# cache: {"schema": 2, "envs": {env_key: {"info": {...}, "entries": {shape_key: entry}}}}
+# entry: {"choice": name, "candidates": [names of the registry], "us": {name: us}, "rejected": {name: reason},
+#         "skipped": {name: reason}, "first_call_s": {name: s}, "rel_err": {name: err}, "points": [M],
+#         "default_frac_copy_bw": fraction, "copy_GBs": GB/s, "time": unix}
 
 
 def load_cache(path: str | None = None) -> dict:
@@ -221,10 +224,16 @@ def valid_choice(entry: dict | None, names: Iterable[str]) -> str | None:
 
 
 def select(m: int, n: int, k: int, entries: dict | None = None, names: Iterable[str] | None = None) -> str:
-    """Candidate name for (m, n, k): the cached choice of m's bucket, else ``deepgemm_default``."""
+    """Candidate name for (m, n, k): the cached choice of m's bucket, else ``deepgemm_default``.
+
+    Without ``entries`` and ``names`` it reads this process's choices, validated once against the registry (the
+    linear apply calls it for every block GEMM it runs eagerly)."""
+    key = shape_key(n, k, m_bucket(m))
+    if entries is None and names is None:
+        return _choices().get(key, DEFAULT)
     entries = _state_entries() if entries is None else entries
     names = list(registry()) if names is None else list(names)
-    return valid_choice(entries.get(shape_key(n, k, m_bucket(m))), names) or DEFAULT
+    return valid_choice(entries.get(key), names) or DEFAULT
 
 
 def choose(us: dict[str, float], rejected: dict[str, str], min_gain: float = MIN_GAIN) -> str:
@@ -667,9 +676,18 @@ def _state_entries() -> dict[str, dict]:
     return _STATE["entries"]
 
 
+def _choices() -> dict[str, str]:
+    """Shape key -> chosen candidate, for the cached entries valid against this process's registry."""
+    if _STATE["choices"] is None:
+        names = list(registry())
+        choices = {key: valid_choice(e, names) for key, e in _state_entries().items()}
+        _STATE["choices"] = {key: c for key, c in choices.items() if c is not None}
+    return _STATE["choices"]
+
+
 def reset_state() -> None:
     """Forget the in-memory cache and registry (tests, or after writing the cache file)."""
-    _STATE.update({"entries": None, "info": None, "registry": None, "default_linear": None, "logged": False})
+    _STATE.update({"entries": None, "info": None, "registry": None, "choices": None, "default_linear": None})
 
 
 def registry() -> dict[str, Candidate]:
@@ -712,6 +730,7 @@ def prepare_model(model, budget_s: float | None = None, max_m: int = DEFAULT_MAX
         # autotune's own progress lines go to debug: the one summary and table below are the decision log
         new = autotune(shapes, max_m=max_m, candidates=registry(), budget_s=budget, skip=valid, log=logger.debug)
         entries.update(new)
+        _STATE["choices"] = None  # derived from the entries: rebuilt at the next lookup
         valid.update(new)
         try:
             merge_entries(None, _STATE["info"], new)
@@ -724,7 +743,6 @@ def prepare_model(model, budget_s: float | None = None, max_m: int = DEFAULT_MAX
     logger.info("[fp8rl] gemm_select (%s, cache %s): %d shapes x %d M buckets, %d on %s for lack of a measurement\n%s",
                 options.gemm_select, cache_path(), len(shapes), len(buckets_upto(max_m)), missing, DEFAULT,
                 format_table(valid))
-    _STATE["logged"] = True
     return valid
 
 
@@ -735,7 +753,7 @@ def apply_selected(x, weight, weight_scale_inv, bias, default_fn: Callable, bloc
         return default_fn(input=x, weight=weight, block_size=list(block_size), weight_scale=weight_scale_inv,
                           input_scale=None, bias=bias)
     k = x.shape[-1]
-    name = select(x.numel() // k if x.numel() else 1, weight.shape[0], k, names=list(registry()))
+    name = select(x.numel() // k if x.numel() else 1, weight.shape[0], k)
     if name == DEFAULT:
         return _sglang_block_call(default_fn, x, weight, weight_scale_inv, bias)
     return registry()[name].fn(x, weight, weight_scale_inv, bias)

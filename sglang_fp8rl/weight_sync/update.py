@@ -215,9 +215,8 @@ def _set_loader(param: torch.nn.Parameter, loader: Optional[Callable]) -> None:
 
 @dataclasses.dataclass
 class DryRunTarget:
-    """Where the checkers record: the tensor being dry-run now."""
+    """Where the checkers record: the record of the tensor being dry-run now."""
 
-    name: str = ""
     record: DryRunRecord = dataclasses.field(default_factory=DryRunRecord)
 
 
@@ -263,7 +262,7 @@ def dry_run_each(model: torch.nn.Module, load_weights: Callable,
     records: dict[str, DryRunRecord] = {}
     with dry_run_loaders(model) as target:
         for name, tensor in named_tensors:
-            target.name, target.record = name, DryRunRecord()
+            target.record = DryRunRecord()
             try:
                 load_weights([(name, tensor)])
             except DRY_RUN_ERRORS as e:
@@ -283,9 +282,9 @@ def dry_run(model: torch.nn.Module, load_weights: Callable,
     with dry_run_loaders(model) as target:
         def stream():
             for name, tensor in named_tensors:
-                target.name, target.record = name, records.setdefault(name, DryRunRecord())
+                target.record = records.setdefault(name, DryRunRecord())
                 yield name, tensor
-            target.name, target.record = "", DryRunRecord()  # collects calls made after the last item
+            target.record = DryRunRecord()  # collects calls made after the last item
 
         try:
             load_weights(stream())
