@@ -20,6 +20,7 @@ from sglang_fp8rl.quant import SCALE_FORMATS
 ENV_VAR = "FP8RL_OPTIONS"
 GEMM_SELECT_MODES = ("auto", "cache", "off")
 DEFAULT_GEMM_TUNE_BUDGET_S = 30.0  # load-time GEMM measurement budget (see kernels/gemm_select.py)
+AUTO_JIT_WORKERS = -1  # --fp8rl-jit-workers: -1 = one per CPU of this rank (kernels/jit_warmup.py), 0 = no warm-up
 QUANTIZATION_NAME = "fp8_online_blockwise"
 DEEPGEMM_PRECOMPILE_ENV = "SGLANG_JIT_DEEPGEMM_PRECOMPILE"
 _PARSER_MARK = "_fp8rl_options_added"
@@ -35,6 +36,7 @@ class Fp8rlOptions:
     scale_format: str = "fp32"
     gemm_select: str = "auto"
     gemm_tune_budget_s: float = DEFAULT_GEMM_TUNE_BUDGET_S
+    jit_workers: int = AUTO_JIT_WORKERS
 
     def __post_init__(self) -> None:
         for name in ("bf16_first_layers", "bf16_last_layers"):
@@ -48,6 +50,9 @@ class Fp8rlOptions:
         budget = self.gemm_tune_budget_s
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget < float("inf"):
             raise ValueError(f"--fp8rl-gemm-tune-budget-s must be a finite number >= 0, got {budget!r}")
+        workers = self.jit_workers
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < AUTO_JIT_WORKERS:
+            raise ValueError(f"--fp8rl-jit-workers must be an integer >= {AUTO_JIT_WORKERS}, got {workers!r}")
         object.__setattr__(self, "ignore", tuple(self.ignore))
         for pattern in self.ignore:
             try:
@@ -127,6 +132,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--fp8rl-gemm-tune-budget-s", type=float, default=DEFAULT_GEMM_TUNE_BUDGET_S, metavar="S",
         help="Wall-time budget of the load-time GEMM measurement (auto mode); unmeasured shapes use SGLang's GEMM.",
     )
+    group.add_argument(
+        "--fp8rl-jit-workers", type=int, default=AUTO_JIT_WORKERS, metavar="N",
+        help="Processes that compile DeepGEMM's kernels for the CUDA-graph sizes in parallel before capture "
+             f"({AUTO_JIT_WORKERS} = by CPU count, 0 = none: SGLang compiles them one by one during capture).",
+    )
 
 
 def options_from_namespace(args: argparse.Namespace) -> Fp8rlOptions:
@@ -138,6 +148,7 @@ def options_from_namespace(args: argparse.Namespace) -> Fp8rlOptions:
         scale_format=getattr(args, "fp8rl_scale_format", "fp32"),
         gemm_select=getattr(args, "fp8rl_gemm_select", "auto"),
         gemm_tune_budget_s=getattr(args, "fp8rl_gemm_tune_budget_s", DEFAULT_GEMM_TUNE_BUDGET_S),
+        jit_workers=getattr(args, "fp8rl_jit_workers", AUTO_JIT_WORKERS),
     )
 
 

@@ -68,6 +68,7 @@ REL_TOL = 1e-2  # rel. Frobenius error vs the float64 block-scaled product; meas
 MIN_GAIN = 0.03
 ALT_BELOW = 0.70  # alternatives are measured where the default moves less than this fraction of copy bandwidth
 BLOCK = (128, 128)
+WARMUP_LOG = "[fp8rl] DeepGEMM JIT warm-up for %d CUDA-graph token counts: %s"  # parsed by scripts/bench_startup.py
 
 # process state: the cached entries of this environment, the registry, the valid choice per shape key (derived from
 # both once, for the apply path), SGLang's default linear
@@ -710,22 +711,30 @@ def model_block_shapes(model, device_type: str = "cuda") -> list[tuple[int, int]
     return sorted(shapes)
 
 
-def prepare_model(model, budget_s: float | None = None, max_m: int = DEFAULT_MAX_M) -> dict[str, dict]:
-    """Look up (and in mode ``auto`` measure what is missing for) the model's block shapes; log the table once.
+def prepare_model(model, budget_s: float | None = None, max_m: int = DEFAULT_MAX_M, capture_ms: Sequence[int] = (),
+                  ranks_on_node: int = 1) -> dict[str, dict]:
+    """Warm DeepGEMM's JIT for ``capture_ms`` (the CUDA-graph token counts), look up (and in mode ``auto`` measure
+    what is missing for) the model's block shapes; log the table once.
 
     Runs after loading, before CUDA-graph capture. Returns this model's entries ({} when off or nothing to do)."""
     from sglang_fp8rl.server_args import get_options
 
     options = get_options()
     shapes = model_block_shapes(model)
-    if options.gemm_select == "off" or not shapes:
+    if not shapes:
+        return {}
+    if options.gemm_select == "off":
+        _jit_warm_up(shapes, capture_ms, {}, set(), max_m, options.jit_workers, ranks_on_node)
         return {}
     budget = options.gemm_tune_budget_s if budget_s is None else budget_s
     entries = _state_entries()
     names = list(registry())
     wanted = {shape_key(n, k, b) for n, k in shapes for b in buckets_upto(max_m)}
     valid = {key: e for key, e in entries.items() if key in wanted and valid_choice(e, names)}
-    if options.gemm_select == "auto" and len(valid) < len(wanted) and budget > 0:
+    tune = options.gemm_select == "auto" and len(valid) < len(wanted) and budget > 0
+    _jit_warm_up(shapes, capture_ms, {key: e["choice"] for key, e in valid.items()},
+                 wanted - set(valid) if tune else set(), max_m, options.jit_workers, ranks_on_node)
+    if tune:
         t0 = time.time()
         # autotune's own progress lines go to debug: the one summary and table below are the decision log
         new = autotune(shapes, max_m=max_m, candidates=registry(), budget_s=budget, skip=valid, log=logger.debug)
@@ -744,6 +753,66 @@ def prepare_model(model, budget_s: float | None = None, max_m: int = DEFAULT_MAX
                 options.gemm_select, cache_path(), len(shapes), len(buckets_upto(max_m)), missing, DEFAULT,
                 format_table(valid))
     return valid
+
+
+def warmup_streams(shapes: Sequence[tuple[int, int]], capture_ms: Sequence[int], choices: dict[str, str],
+                   to_measure: set[str], max_m: int = DEFAULT_MAX_M,
+                   cands: dict[str, Candidate] | None = None) -> dict[tuple[int, int, int | None], set[int]]:
+    """(N, K, num_sms or None) -> the M values DeepGEMM will launch before serving: the default at every captured
+    M; a chosen num_sms variant at the captured M of its bucket; for an entry about to be measured, its measured
+    points under every candidate and the captured M of its bucket under every num_sms variant. Shapes DeepGEMM
+    does not take (SGLang runs Triton for them) are left out."""
+    cands = registry() if cands is None else cands
+    sms_of = {c.name: c.num_sms for c in cands.values() if c.needs_deepgemm and c.num_sms is not None}
+    streams: dict[tuple[int, int, int | None], set[int]] = {}
+    for n, k in shapes:
+        if n % 64 or k % 128:
+            continue
+        default_ms = set(capture_ms)
+        for b in buckets_upto(max_m):
+            key, captured = shape_key(n, k, b), {m for m in capture_ms if m_bucket(m) == b}
+            if key in to_measure:
+                default_ms.update(bucket_points(b))
+                for sms in sms_of.values():
+                    streams.setdefault((n, k, sms), set()).update(captured, bucket_points(b))
+            elif choices.get(key) in sms_of:
+                streams.setdefault((n, k, sms_of[choices[key]]), set()).update(captured)
+        if default_ms:
+            streams[(n, k, None)] = default_ms
+    return {key: ms for key, ms in streams.items() if ms}
+
+
+def _deepgemm_takes_default() -> bool:
+    """Whether SGLang's block-FP8 dispatch on this GPU is DeepGEMM with float32 scales (what the warm-up launches)."""
+    enabled, ue8m0 = _deepgemm_flags()
+    if not enabled or ue8m0:
+        return False
+    from sglang.srt.layers.quantization.fp8_utils import (
+        deepgemm_w8a8_block_fp8_linear_with_fallback,
+        dispatch_w8a8_block_fp8_linear,
+    )
+
+    return dispatch_w8a8_block_fp8_linear() is deepgemm_w8a8_block_fp8_linear_with_fallback
+
+
+def _jit_warm_up(shapes, capture_ms, choices, to_measure, max_m, workers_option: int, ranks_on_node: int) -> None:
+    """Compile, in parallel worker processes, the DeepGEMM kernels of :func:`warmup_streams`; log one line."""
+    from sglang_fp8rl.kernels import jit_warmup
+    from sglang_fp8rl.server_args import AUTO_JIT_WORKERS
+
+    if workers_option == 0 or not _deepgemm_takes_default():
+        return
+    import torch
+
+    streams = warmup_streams(shapes, capture_ms, choices, to_measure, max_m)
+    workers = jit_warmup.default_workers(ranks_on_node) if workers_option == AUTO_JIT_WORKERS else workers_option
+    free, _ = torch.cuda.mem_get_info()
+    workers = max(1, min(workers, free // jit_warmup.WORKER_GPU_BYTES))
+    result = jit_warmup.warm_up(streams, env_key(_STATE["info"] or env_info()), workers,
+                                torch.cuda.current_device())
+    if result.jobs:
+        log = logger.warning if result.failed else logger.info
+        log(WARMUP_LOG, len(capture_ms), result.summary())
 
 
 def apply_selected(x, weight, weight_scale_inv, bias, default_fn: Callable, block_size=BLOCK):

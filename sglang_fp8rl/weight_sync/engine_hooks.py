@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sglang_fp8rl.kernels import gemm_select
+from sglang_fp8rl.kernels import gemm_select, jit_warmup
 
 from sglang_fp8rl.weight_sync.update import (
     GuardedLoadWeights,
@@ -54,12 +54,23 @@ def _patch(owner: Any, name: str, make_wrapper: Callable[[Callable], Callable]) 
 # ModelRunner
 
 
+def ranks_on_node(server_args: Any) -> int:
+    """Model ranks sharing this node's CPUs (tensor x pipeline parallel over the nodes)."""
+    tp, pp = getattr(server_args, "tp_size", 1) or 1, getattr(server_args, "pp_size", 1) or 1
+    return max(1, tp * pp // max(1, getattr(server_args, "nnodes", 1) or 1))
+
+
 def _wrap_load_model(original: Callable) -> Callable:
     def load_model(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         if attach(self.model):
             logger.info("[fp8rl] weight updates of this model are validated and re-quantized in place")
-            gemm_select.prepare_model(self.model)  # before CUDA graphs are captured
+            server_args = getattr(self, "server_args", None)
+            gemm_select.prepare_model(  # before CUDA graphs are captured
+                self.model,
+                capture_ms=jit_warmup.capture_token_counts(server_args),
+                ranks_on_node=ranks_on_node(server_args),
+            )
         return result
 
     return load_model

@@ -1,0 +1,42 @@
+"""The DeepGEMM JIT warm-up on the GPU: real worker processes launch SGLang's DeepGEMM block linear, the cubins land
+in DeepGEMM's cache, and this process then launches the same configurations without compiling.
+
+The check on "without compiling": a launch whose kernel must be compiled takes seconds (nvcc, 2.5-5.5 s measured on
+H100), one that loads a cached cubin takes milliseconds; the bound below (1 s) sits between the two.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from sglang_fp8rl.kernels import gemm_select as gs
+from sglang_fp8rl.kernels import jit_warmup as jw
+
+pytestmark = pytest.mark.gpu
+
+CACHED_LAUNCH_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def deepgemm_default():
+    if not gs._deepgemm_takes_default():
+        pytest.skip("SGLang's block-FP8 dispatch on this GPU is not DeepGEMM")
+
+
+def test_warm_up_compiles_in_workers_then_this_process_only_loads(deepgemm_default, tmp_path, monkeypatch):
+    # an odd num_sms gives kernels no other test or start has compiled (num_sms is a template parameter)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count - 7
+    n, k, ms = 2048, 1024, (1, 48, 200, 1000)
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", jw.deepgemm_cache_dir())  # the record goes where DeepGEMM writes
+    result = jw.warm_up({(n, k, sms): ms}, env=f"test|{time.time()}", workers=2,
+                        device_index=torch.cuda.current_device(), timeout_s=240)
+    assert (result.done, result.failed, result.timed_out) == (len(ms), 0, False), result.summary()
+    assert set(result.succeeded) == {jw.Job(n, k, m, sms) for m in ms}
+    state: dict = {}
+    for m in ms:
+        t = time.monotonic()
+        jw.deepgemm_job(jw.Job(n, k, m, sms), state)
+        assert time.monotonic() - t < CACHED_LAUNCH_S, f"M={m}: compiled again in this process"

@@ -1,0 +1,316 @@
+"""CPU checks of sglang_fp8rl.kernels.jit_warmup (DeepGEMM JIT compiled in parallel worker processes before capture).
+
+Covered here: the job plan (coarse-to-fine order, interleaved streams, what gemm_select asks for in each mode), the
+CUDA-graph token counts read from SGLang's own CudaGraphConfig, the worker pool with real worker processes running a
+fake job (every job once, failures, a dying worker, the timeout), the record of warmed jobs, and prepare_model's call.
+The DeepGEMM job itself and the startup it saves are measured on the GPU (scripts/bench_startup.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import textwrap
+import time
+import types
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_fp8rl.kernels import gemm_select as gs
+from sglang_fp8rl.kernels import jit_warmup as jw
+from sglang_fp8rl.server_args import ENV_VAR, Fp8rlOptions, parse_args
+from sglang_fp8rl.weight_sync.engine_hooks import ranks_on_node
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ---------------------------------------------------------------------------------------------------------------------
+# plan
+
+
+@given(st.lists(st.integers(1, 10_000), max_size=80))
+@settings(max_examples=200, deadline=None)
+def test_spread_order_is_a_coarse_to_fine_permutation(values):
+    got = jw.spread_order(values)
+    vals = sorted(set(values))
+    assert sorted(got) == vals
+    if len(vals) >= 3:
+        assert got[:2] == [vals[0], vals[-1]]
+        assert got[2] == vals[(len(vals) - 1) // 2]
+
+
+def test_spread_order_example():
+    assert jw.spread_order([1, 2, 4, 8, 16, 32, 64, 128, 256]) == [1, 256, 16, 4, 64, 2, 8, 32, 128]
+
+
+def test_plan_jobs_interleaves_streams_and_covers_each_once():
+    streams = {(256, 384, None): [1, 8, 64, 8], (128, 256, None): [4, 512], (256, 384, 124): [96]}
+    jobs = jw.plan_jobs(streams)
+    assert len(jobs) == len(set(jobs)) == 3 + 2 + 1
+    assert {(j.n, j.k, j.num_sms) for j in jobs[:3]} == set(streams)  # the first round takes one job per stream
+    assert [j.m for j in jobs if (j.n, j.num_sms) == (256, None)] == [1, 64, 8]
+
+
+def test_capture_token_counts_from_sglang_cuda_graph_config():
+    from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
+
+    def args(decode, prefill):
+        return types.SimpleNamespace(cuda_graph_config=CudaGraphConfig(decode=decode, prefill=prefill))
+
+    both = args(PhaseConfig(backend=Backend.FULL, bs=[1, 8, 16]), PhaseConfig(backend=Backend.BREAKABLE, bs=[16, 512]))
+    assert jw.capture_token_counts(both) == [1, 8, 16, 512]
+    no_prefill = args(PhaseConfig(backend=Backend.FULL, bs=[1, 2]), PhaseConfig(backend=Backend.DISABLED, bs=[64]))
+    assert jw.capture_token_counts(no_prefill) == [1, 2]
+    assert jw.capture_token_counts(types.SimpleNamespace()) == []
+    assert jw.capture_token_counts(None) == []
+
+
+def test_default_workers_share_the_cpus_between_ranks():
+    assert jw.default_workers(1, cpus=16) == jw.MAX_WORKERS
+    assert jw.default_workers(2, cpus=16) == 7
+    assert jw.default_workers(8, cpus=16) == 1
+    assert jw.default_workers(1, cpus=1) == 1
+
+
+def test_ranks_on_node():
+    assert ranks_on_node(types.SimpleNamespace(tp_size=4, pp_size=2, nnodes=2)) == 4
+    assert ranks_on_node(types.SimpleNamespace(tp_size=2)) == 2
+    assert ranks_on_node(None) == 1
+
+
+def test_warmup_streams_per_mode():
+    cands = gs.make_candidates()  # default, deepgemm_sms_124, deepgemm_sms_112, fp8rl_n64_sk4
+    shapes = [(256, 384), (200, 384)]  # N=200 is not a DeepGEMM shape: SGLang runs Triton, nothing to warm
+    capture = [1, 8, 88, 96, 512]
+    # nothing measured, nothing to measure (off / cache without entries): the default at every captured M
+    assert gs.warmup_streams(shapes, capture, {}, set(), cands=cands) == {(256, 384, None): set(capture)}
+    # bucket 96 (M 81-96) to be measured: its upper edge under every candidate, its captured M under the variants
+    key96 = gs.shape_key(256, 384, 96)
+    got = gs.warmup_streams(shapes, capture, {}, {key96}, cands=cands)
+    assert got == {(256, 384, None): set(capture), (256, 384, 124): {88, 96}, (256, 384, 112): {88, 96}}
+    # bucket 96 cached on deepgemm_sms_112: only that variant, at the captured M of the bucket
+    got = gs.warmup_streams(shapes, capture, {key96: "deepgemm_sms_112"}, set(), cands=cands)
+    assert got == {(256, 384, None): set(capture), (256, 384, 112): {88, 96}}
+    # a bucket on our Triton kernel needs no DeepGEMM launch
+    assert gs.warmup_streams(shapes, capture, {gs.shape_key(256, 384, 8): "fp8rl_n64_sk4"}, set(),
+                             cands=cands) == {(256, 384, None): set(capture)}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the pool, with real worker processes running a fake job
+
+
+FAKE_RUNNER = textwrap.dedent('''
+    import os, time
+
+    def run(job, state):
+        with open(os.environ["FAKE_LOG"], "a") as f:
+            f.write(f"{os.getpid()} {job.n} {job.k} {job.m} {job.num_sms}\\n")
+        if job.m == 7:
+            raise ValueError("no kernel for M=7")
+        if job.m == 5:
+            os._exit(3)
+        if job.m == 9:
+            time.sleep(30)
+        if 10 <= job.m < 40:
+            time.sleep(0.2)  # a compile takes seconds: every worker gets some
+    ''')
+
+
+@pytest.fixture
+def fake_runner(tmp_path):
+    (tmp_path / "fake_jit_runner.py").write_text(FAKE_RUNNER)
+    log = tmp_path / "jobs.log"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO, os.environ.get("PYTHONPATH", "")]),
+               FAKE_LOG=str(log))
+
+    def runs():
+        return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+    return types.SimpleNamespace(spec="fake_jit_runner:run", env=env, runs=runs)
+
+
+def jobs_for(ms, n=256, k=384, sms=None):
+    return [jw.Job(n, k, m, sms) for m in ms]
+
+
+def test_run_jobs_runs_every_job_once_across_workers(fake_runner):
+    jobs = jobs_for(range(10, 40)) + jobs_for([64], sms=124)
+    result = jw.run_jobs(jobs, workers=3, runner=fake_runner.spec, env=fake_runner.env, timeout_s=60)
+    assert (result.done, result.failed, result.workers, result.timed_out) == (31, 0, 3, False)
+    assert sorted(result.succeeded, key=dataclasses.astuple) == sorted(jobs, key=dataclasses.astuple)
+    runs = fake_runner.runs()
+    assert sorted((int(r[3]), r[4]) for r in runs) == sorted((j.m, str(j.num_sms)) for j in jobs)
+    assert len({r[0] for r in runs}) > 1  # more than one process did work
+
+
+def test_run_jobs_counts_a_failing_job_and_goes_on(fake_runner):
+    result = jw.run_jobs(jobs_for([6, 7, 8]), workers=1, runner=fake_runner.spec, env=fake_runner.env, timeout_s=60)
+    assert (result.done, result.failed) == (2, 1)
+    assert "M=7" in result.errors[0] and "ValueError" in result.errors[0] and "m=7" in result.errors[0]
+    assert {j.m for j in result.succeeded} == {6, 8}
+    assert "1 failed" in result.summary()
+
+
+def test_run_jobs_survives_a_dying_worker(fake_runner):
+    jobs = jobs_for([5] + list(range(10, 20)))
+    result = jw.run_jobs(jobs, workers=2, runner=fake_runner.spec, env=fake_runner.env, timeout_s=60)
+    assert result.failed == 1 and result.done == len(jobs) - 1
+    assert 5 not in {j.m for j in result.succeeded}
+    assert any("worker exit 3" in e for e in result.errors)
+
+
+def test_run_jobs_stops_at_the_timeout(fake_runner):
+    t0 = time.monotonic()
+    result = jw.run_jobs(jobs_for([9, 11, 12]), workers=1, runner=fake_runner.spec, env=fake_runner.env,
+                         timeout_s=3)
+    assert time.monotonic() - t0 < 20  # the sleeping worker is killed, not waited for
+    assert result.timed_out and result.failed == 3 and result.done == 0
+    assert "stopped at the timeout" in result.summary()
+
+
+def test_run_jobs_with_nothing_to_do_starts_nothing(fake_runner):
+    assert jw.run_jobs([], workers=4, runner=fake_runner.spec, env=fake_runner.env).workers == 0
+    assert jw.run_jobs(jobs_for([1]), workers=0, runner=fake_runner.spec, env=fake_runner.env).workers == 0
+    assert fake_runner.runs() == []
+
+
+def test_worker_loop_protocol():
+    out = types.SimpleNamespace(lines=[], write=lambda s: out.lines.append(s), flush=lambda: None)
+    calls = []
+
+    def runner(job, state):
+        state["seen"] = state.get("seen", 0) + 1
+        calls.append((job, state["seen"]))
+        if job.m == 2:
+            raise RuntimeError("boom")
+
+    lines = [json.dumps(dataclasses.asdict(j)) + "\n" for j in jobs_for([1, 2, 3])] + ["\n"]
+    jw.worker_loop(runner, lines, out, (RuntimeError,))
+    msgs = [json.loads(s) for s in out.lines]
+    assert msgs[0] == {"ready": True}
+    assert "s" in msgs[1] and "RuntimeError: boom" in msgs[2]["error"] and "s" in msgs[3]
+    assert [c[1] for c in calls] == [1, 2, 3]  # one state for the worker's life (weights made once per shape)
+
+
+def test_load_runner_rejects_a_bad_spec():
+    with pytest.raises(ValueError, match="module:function"):
+        jw.load_runner("no_colon")
+    assert jw.load_runner("sglang_fp8rl.kernels.jit_warmup:deepgemm_job") is jw.deepgemm_job
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the record of warmed jobs
+
+
+def test_warm_up_records_what_worked_and_skips_it_next_time(fake_runner, tmp_path, monkeypatch):
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "dg"))
+    monkeypatch.setattr(os, "environ", os.environ)  # warm_up copies os.environ for the workers
+    for key, value in fake_runner.env.items():
+        monkeypatch.setenv(key, value)
+    streams = {(256, 384, None): [6, 7, 8]}
+    first = jw.warm_up(streams, env="gpu=A", workers=2, runner=fake_runner.spec)
+    assert (first.jobs, first.done, first.failed) == (3, 2, 1)
+    assert jw.warmed_jobs("gpu=A") == {jw.Job(256, 384, 6), jw.Job(256, 384, 8)}
+    again = jw.warm_up(streams, env="gpu=A", workers=2, runner=fake_runner.spec)
+    assert again.jobs == 1  # only the failed one is tried again
+    other = jw.warm_up(streams, env="gpu=B", workers=2, runner=fake_runner.spec)
+    assert other.jobs == 3  # another GPU or version: nothing is assumed compiled
+    assert jw.warmed_jobs("gpu=A") == set()  # the record holds one environment
+    ms = [int(r[3]) for r in fake_runner.runs()]
+    assert sorted(ms) == [6, 6, 7, 7, 7, 8, 8]
+
+
+def test_warm_up_workers_never_precompile_every_m(fake_runner, tmp_path, monkeypatch):
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "dg"))
+    monkeypatch.setenv("SGLANG_JIT_DEEPGEMM_PRECOMPILE", "1")
+    seen = {}
+    monkeypatch.setattr(jw, "run_jobs", lambda jobs, workers, dev, timeout, runner, env: seen.update(env) or
+                        jw.WarmupResult(jobs=len(jobs)))
+    jw.warm_up({(256, 384, None): [1]}, env="e", workers=1)
+    assert seen["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "0"
+
+
+def test_warmed_jobs_tolerates_a_broken_record(tmp_path):
+    path = tmp_path / jw.RECORD_NAME
+    path.write_text("{not json")
+    assert jw.warmed_jobs("e", str(path)) == set()
+    path.write_text(json.dumps({"env": "e", "jobs": [[1, 2]]}))
+    assert jw.warmed_jobs("e", str(path)) == set()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# prepare_model's call
+
+
+def fake_model(n, k):
+    import torch
+
+    from sglang_fp8rl import quant
+
+    model = torch.nn.Module()
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.zeros(n, k, dtype=quant.FP8_DTYPE), requires_grad=False)
+    layer._fp8rl = types.SimpleNamespace(block_size=(128, 128), is_block=True)
+    model.add_module("l0", layer)
+    return model
+
+
+@pytest.mark.parametrize("mode, workers, expect", [("off", -1, 12), ("auto", 3, 3), ("cache", 0, None)])
+def test_prepare_model_warms_the_captured_sizes(monkeypatch, tmp_path, mode, workers, expect):
+    monkeypatch.setenv(ENV_VAR, Fp8rlOptions(gemm_select=mode, jit_workers=workers, gemm_tune_budget_s=0).to_json())
+    monkeypatch.setenv(gs.ENV_CACHE, str(tmp_path / "gemm_select.json"))
+    gs.reset_state()
+    monkeypatch.setattr(gs, "model_block_shapes", lambda model: [(256, 384)])
+    monkeypatch.setattr(gs, "_deepgemm_takes_default", lambda: True)
+    monkeypatch.setattr(jw, "default_workers", lambda ranks: 12 // ranks)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    calls = []
+    monkeypatch.setattr(jw, "warm_up", lambda streams, env, w, dev: calls.append((streams, w)) or jw.WarmupResult())
+    gs.prepare_model(fake_model(256, 384), capture_ms=[1, 8, 512], ranks_on_node=1)
+    gs.reset_state()
+    if expect is None:
+        assert calls == []
+    else:
+        assert calls == [({(256, 384, None): {1, 8, 512}}, expect)]
+
+
+def test_prepare_model_limits_workers_by_free_gpu_memory(monkeypatch, tmp_path):
+    monkeypatch.setenv(ENV_VAR, Fp8rlOptions(gemm_select="off", jit_workers=8).to_json())
+    monkeypatch.setattr(gs, "model_block_shapes", lambda model: [(256, 384)])
+    monkeypatch.setattr(gs, "_deepgemm_takes_default", lambda: True)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (3 * jw.WORKER_GPU_BYTES, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    calls = []
+    monkeypatch.setattr(jw, "warm_up", lambda streams, env, w, dev: calls.append(w) or jw.WarmupResult())
+    gs.prepare_model(fake_model(256, 384), capture_ms=[1])
+    assert calls == [3]
+
+
+def test_jit_workers_option():
+    assert parse_args([]).jit_workers == -1
+    assert parse_args(["--fp8rl-jit-workers", "4"]).jit_workers == 4
+    with pytest.raises(ValueError, match="--fp8rl-jit-workers"):
+        Fp8rlOptions(jit_workers=-2)
+    with pytest.raises(ValueError, match="--fp8rl-jit-workers"):
+        Fp8rlOptions(jit_workers=True)
+
+
+def test_worker_module_runs_as_a_script(fake_runner):
+    """The real entry point (python -m sglang_fp8rl.kernels.jit_warmup) speaks the protocol."""
+    import subprocess
+
+    job = json.dumps(dataclasses.asdict(jw.Job(256, 384, 3))) + "\n"
+    out = subprocess.run(jw.worker_command(0, fake_runner.spec), input=job, capture_output=True, text=True,
+                         env=fake_runner.env, timeout=120, check=True).stdout
+    msgs = [json.loads(line) for line in out.splitlines()]
+    assert msgs[0] == {"ready": True} and "s" in msgs[1] and len(msgs) == 2
+    assert sys.executable == jw.worker_command(0)[0]
