@@ -47,20 +47,20 @@ def cache_env(root: str) -> dict[str, str]:
     """Every on-disk JIT / measurement cache a start can use, under ``root``."""
     return {"TRITON_CACHE_DIR": os.path.join(root, "triton"), "SGLANG_DG_CACHE_DIR": os.path.join(root, "deep_gemm"),
             gemm_select.ENV_CACHE: os.path.join(root, "gemm_select.json"),
-            "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor")}
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"),
+            "TVM_FFI_CACHE_DIR": os.path.join(root, "tvm_ffi")}  # SGLang's own JIT kernels (sglang.kernels.jit)
 
 
 def parse_log(text: str) -> dict:
     lines = [ln[ln.index("[fp8rl]"):][:300] for ln in text.splitlines() if "[fp8rl]" in ln]
     m = re.search(r"gemm_select: measured (\d+) entries for (\d+) shapes in ([\d.]+) s", text)
-    w = re.search(r"JIT warm-up for \d+ CUDA-graph token counts: (\d+)/(\d+) launches by (\d+) workers in ([\d.]+) s",
-                  text)
+    warm = re.findall(r"JIT warm-up for [^:]*: (\d+)/(\d+) launches by (\d+) workers in ([\d.]+) s", text)
     capture = {phase: float(c.group(1)) for phase in ("prefill", "decode")
                for c in [re.search(rf"Capture target {phase} CUDA graph end\. elapsed=([\d.]+) s", text)] if c}
     return {"fp8rl_lines": lines[:12], "gemm_measured_entries": int(m.group(1)) if m else 0,
             "gemm_measure_s": float(m.group(3)) if m else 0.0,
-            "jit_warmup_s": float(w.group(4)) if w else 0.0,
-            "jit_warmup_launches": f"{w.group(1)}/{w.group(2)} x{w.group(3)}" if w else "",
+            "jit_warmup_s": round(sum(float(w[3]) for w in warm), 1),
+            "jit_warmup_launches": " + ".join(f"{w[0]}/{w[1]} x{w[2]}" for w in warm),
             "capture_prefill_s": capture.get("prefill"), "capture_decode_s": capture.get("decode"),
             "deepgemm_precompile": "DeepGEMM JIT Pre-Compile" in text}
 

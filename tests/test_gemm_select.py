@@ -670,3 +670,32 @@ def test_autotune_measures_least_efficient_defaults_first():
     # each alternative ran twice per entry (first call + timed call); the entries came least efficient first
     assert order[::2] == [2, 4, 1]
     assert all(e["choice"] == "alt" for e in new.values())
+
+
+def test_autotune_measures_num_sms_variants_only_where_the_default_is_far_off():
+    last: list = []
+    fake = make_fake_candidates(last)
+    exact, rows = fake["fast"].fn, []
+
+    def default(x, w, s, b):
+        rows.append(x.shape[0])
+        return fake[gs.DEFAULT].fn(x, w, s, b)
+
+    cands = {gs.DEFAULT: gs.Candidate(gs.DEFAULT, default), "fast": fake["fast"],
+             "variant": gs.Candidate("variant", lambda x, w, s, b: (last.append("fast"), exact(x, w, s, b))[1],
+                                     num_sms=100)}
+
+    def timer(call, nrot, calls, reps):  # the default takes 100 us at M=1 and 200 us at M=2; the others 40 us
+        call(0)
+        return (100.0 * rows[-1]) if last[-1] == gs.DEFAULT else 40.0
+
+    bw = gs.linear_bytes(1, 256, 384) / 100e-6 / 1e9 / 0.6  # the default reaches 60 % at M=1, ~30 % at M=2
+    todo = []
+    new = gs.autotune([(256, 384)], max_m=2, candidates=cands, device="cpu", timer=timer, log=lambda s: None,
+                      copy_gbs=bw, before_alternatives=todo.extend)
+    e1, e2 = new[gs.shape_key(256, 384, 1)], new[gs.shape_key(256, 384, 2)]
+    assert e1["default_frac_copy_bw"] == pytest.approx(0.6, abs=1e-3)
+    assert set(e1["us"]) == {gs.DEFAULT, "fast"} and "variant" in e1["skipped"]  # 60 %: variants not worth a JIT
+    assert e2["default_frac_copy_bw"] < gs.VARIANT_BELOW and set(e2["us"]) == {gs.DEFAULT, "fast", "variant"}
+    # phase 2's work, announced once before it starts, least efficient entry first
+    assert todo == [(256, 384, 2, ["fast", "variant"]), (256, 384, 1, ["fast"])]

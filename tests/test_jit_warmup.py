@@ -87,16 +87,23 @@ def test_warmup_streams_per_mode():
     capture = [1, 8, 88, 96, 512]
     # nothing measured, nothing to measure (off / cache without entries): the default at every captured M
     assert gs.warmup_streams(shapes, capture, {}, set(), cands=cands) == {(256, 384, None): set(capture)}
-    # bucket 96 (M 81-96) to be measured: its upper edge under every candidate, its captured M under the variants
+    # buckets to be measured add their measured point (the upper edge) to the default's launches
+    keys = {gs.shape_key(256, 384, b) for b in (16, 96)}
+    assert gs.warmup_streams(shapes, capture, {}, keys, cands=cands) == {(256, 384, None): set(capture) | {16}}
+    # bucket 96 (M 81-96) cached on deepgemm_sms_112: that variant at the captured M of the bucket
     key96 = gs.shape_key(256, 384, 96)
-    got = gs.warmup_streams(shapes, capture, {}, {key96}, cands=cands)
-    assert got == {(256, 384, None): set(capture), (256, 384, 124): {88, 96}, (256, 384, 112): {88, 96}}
-    # bucket 96 cached on deepgemm_sms_112: only that variant, at the captured M of the bucket
     got = gs.warmup_streams(shapes, capture, {key96: "deepgemm_sms_112"}, set(), cands=cands)
     assert got == {(256, 384, None): set(capture), (256, 384, 112): {88, 96}}
     # a bucket on our Triton kernel needs no DeepGEMM launch
     assert gs.warmup_streams(shapes, capture, {gs.shape_key(256, 384, 8): "fp8rl_n64_sk4"}, set(),
                              cands=cands) == {(256, 384, None): set(capture)}
+
+
+def test_variant_streams_cover_what_phase_2_measures_and_capture_launches():
+    cands = gs.make_candidates()
+    todo = [(256, 384, 96, ["deepgemm_sms_124", "fp8rl_n64_sk4"]), (256, 384, 8, ["fp8rl_n64_sk4"]),
+            (200, 384, 96, ["deepgemm_sms_112"])]
+    assert gs.variant_streams(todo, [1, 8, 88, 96, 512], cands) == {(256, 384, 124): {88, 96}}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -172,6 +179,24 @@ def test_run_jobs_stops_at_the_timeout(fake_runner):
     assert "stopped at the timeout" in result.summary()
 
 
+def test_pool_keeps_its_workers_between_rounds(fake_runner):
+    with jw.WarmupPool(2, runner=fake_runner.spec, env=fake_runner.env, timeout_s=60) as pool:
+        first = pool.run(jobs_for([10, 11, 12]))
+        pids = {w.proc.pid for w in pool.pool}
+        second = pool.run(jobs_for([13, 14], sms=112))
+        assert {w.proc.pid for w in pool.pool} == pids  # no new worker started
+    assert (first.done, second.done, first.failed + second.failed) == (3, 2, 0)
+    assert {int(r[0]) for r in fake_runner.runs()} <= pids
+
+
+def test_pool_after_a_timeout_runs_nothing(fake_runner):
+    with jw.WarmupPool(1, runner=fake_runner.spec, env=fake_runner.env, timeout_s=3) as pool:
+        assert pool.run(jobs_for([9])).timed_out
+        later = pool.run(jobs_for([10]))
+    assert (later.done, later.failed) == (0, 1)
+    assert [int(r[3]) for r in fake_runner.runs()] == [9]
+
+
 def test_run_jobs_with_nothing_to_do_starts_nothing(fake_runner):
     assert jw.run_jobs([], workers=4, runner=fake_runner.spec, env=fake_runner.env).workers == 0
     assert jw.run_jobs(jobs_for([1]), workers=0, runner=fake_runner.spec, env=fake_runner.env).workers == 0
@@ -208,30 +233,23 @@ def test_load_runner_rejects_a_bad_spec():
 
 def test_warm_up_records_what_worked_and_skips_it_next_time(fake_runner, tmp_path, monkeypatch):
     monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "dg"))
-    monkeypatch.setattr(os, "environ", os.environ)  # warm_up copies os.environ for the workers
-    for key, value in fake_runner.env.items():
-        monkeypatch.setenv(key, value)
-    streams = {(256, 384, None): [6, 7, 8]}
-    first = jw.warm_up(streams, env="gpu=A", workers=2, runner=fake_runner.spec)
-    assert (first.jobs, first.done, first.failed) == (3, 2, 1)
-    assert jw.warmed_jobs("gpu=A") == {jw.Job(256, 384, 6), jw.Job(256, 384, 8)}
-    again = jw.warm_up(streams, env="gpu=A", workers=2, runner=fake_runner.spec)
-    assert again.jobs == 1  # only the failed one is tried again
-    other = jw.warm_up(streams, env="gpu=B", workers=2, runner=fake_runner.spec)
-    assert other.jobs == 3  # another GPU or version: nothing is assumed compiled
+    streams = {(256, 384, None): [6, 7, 8], (256, 384, 124): [6]}
+    with jw.WarmupPool(2, runner=fake_runner.spec, env=fake_runner.env, timeout_s=60) as pool:
+        first = jw.warm_up(pool, streams, env="gpu=A")
+        assert (first.jobs, first.done, first.failed) == (4, 3, 1)
+        assert jw.warmed_jobs("gpu=A") == {jw.Job(256, 384, 6), jw.Job(256, 384, 8), jw.Job(256, 384, 6, 124)}
+        again = jw.warm_up(pool, streams, env="gpu=A")
+        assert again.jobs == 1  # only the failed one is tried again
+        other = jw.warm_up(pool, streams, env="gpu=B")
+        assert other.jobs == 4  # another GPU or version: nothing is assumed compiled
     assert jw.warmed_jobs("gpu=A") == set()  # the record holds one environment
     ms = [int(r[3]) for r in fake_runner.runs()]
-    assert sorted(ms) == [6, 6, 7, 7, 7, 8, 8]
+    assert sorted(ms) == [6, 6, 6, 6, 7, 7, 7, 8, 8]
 
 
-def test_warm_up_workers_never_precompile_every_m(fake_runner, tmp_path, monkeypatch):
-    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "dg"))
+def test_worker_env_never_precompiles_every_m(monkeypatch):
     monkeypatch.setenv("SGLANG_JIT_DEEPGEMM_PRECOMPILE", "1")
-    seen = {}
-    monkeypatch.setattr(jw, "run_jobs", lambda jobs, workers, dev, timeout, runner, env: seen.update(env) or
-                        jw.WarmupResult(jobs=len(jobs)))
-    jw.warm_up({(256, 384, None): [1]}, env="e", workers=1)
-    assert seen["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "0"
+    assert jw.worker_env()["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "0"
 
 
 def test_warmed_jobs_tolerates_a_broken_record(tmp_path):
@@ -259,9 +277,8 @@ def fake_model(n, k):
     return model
 
 
-@pytest.mark.parametrize("mode, workers, expect", [("off", -1, 12), ("auto", 3, 3), ("cache", 0, None)])
-def test_prepare_model_warms_the_captured_sizes(monkeypatch, tmp_path, mode, workers, expect):
-    monkeypatch.setenv(ENV_VAR, Fp8rlOptions(gemm_select=mode, jit_workers=workers, gemm_tune_budget_s=0).to_json())
+@pytest.fixture
+def prepare_env(monkeypatch, tmp_path):
     monkeypatch.setenv(gs.ENV_CACHE, str(tmp_path / "gemm_select.json"))
     gs.reset_state()
     monkeypatch.setattr(gs, "model_block_shapes", lambda model: [(256, 384)])
@@ -272,27 +289,43 @@ def test_prepare_model_warms_the_captured_sizes(monkeypatch, tmp_path, mode, wor
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     calls = []
-    monkeypatch.setattr(jw, "warm_up", lambda streams, env, w, dev: calls.append((streams, w)) or jw.WarmupResult())
-    gs.prepare_model(fake_model(256, 384), capture_ms=[1, 8, 512], ranks_on_node=1)
+    monkeypatch.setattr(jw, "warm_up", lambda pool, streams, env: calls.append((pool.workers, streams))
+                        or jw.WarmupResult())
+    yield calls
     gs.reset_state()
-    if expect is None:
-        assert calls == []
-    else:
-        assert calls == [({(256, 384, None): {1, 8, 512}}, expect)]
 
 
-def test_prepare_model_limits_workers_by_free_gpu_memory(monkeypatch, tmp_path):
+@pytest.mark.parametrize("mode, workers, ranks, expect", [("off", -1, 1, 12), ("cache", 3, 1, 3), ("off", -1, 4, 3),
+                                                          ("cache", 0, 1, None)])
+def test_prepare_model_warms_the_captured_sizes(monkeypatch, prepare_env, mode, workers, ranks, expect):
+    monkeypatch.setenv(ENV_VAR, Fp8rlOptions(gemm_select=mode, jit_workers=workers).to_json())
+    gs.prepare_model(fake_model(256, 384), capture_ms=[1, 8, 512], ranks_on_node=ranks)
+    assert prepare_env == ([] if expect is None else [(expect, {(256, 384, None): {1, 8, 512}})])
+
+
+def test_prepare_model_auto_compiles_variants_before_phase_2(monkeypatch, prepare_env):
+    monkeypatch.setenv(ENV_VAR, Fp8rlOptions(gemm_select="auto", jit_workers=2).to_json())
+    seen = {}
+
+    def autotune(shapes, **kw):
+        seen.update(kw)
+        kw["before_alternatives"]([(256, 384, 96, ["deepgemm_sms_124", "fp8rl_n64_sk4"])])
+        return {}
+
+    monkeypatch.setattr(gs, "autotune", autotune)
+    gs.prepare_model(fake_model(256, 384), max_m=96, capture_ms=[8, 88], ranks_on_node=1)
+    default = {8, 88} | set(gs.buckets_upto(96))  # captured M and every bucket's measured point
+    assert prepare_env == [(2, {(256, 384, None): default}), (2, {(256, 384, 124): {88, 96}})]
+    assert seen["skip"] == {} and seen["max_m"] == 96
+
+
+def test_prepare_model_limits_workers_by_free_gpu_memory(monkeypatch, prepare_env):
     monkeypatch.setenv(ENV_VAR, Fp8rlOptions(gemm_select="off", jit_workers=8).to_json())
-    monkeypatch.setattr(gs, "model_block_shapes", lambda model: [(256, 384)])
-    monkeypatch.setattr(gs, "_deepgemm_takes_default", lambda: True)
     import torch
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (3 * jw.WORKER_GPU_BYTES, 80 << 30))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    calls = []
-    monkeypatch.setattr(jw, "warm_up", lambda streams, env, w, dev: calls.append(w) or jw.WarmupResult())
     gs.prepare_model(fake_model(256, 384), capture_ms=[1])
-    assert calls == [3]
+    assert [w for w, _ in prepare_env] == [3]
 
 
 def test_jit_workers_option():

@@ -564,21 +564,24 @@ def test_bench_startup_parses_the_warmup_and_capture_lines():
     from sglang_fp8rl.kernels import gemm_select, jit_warmup
 
     summary = jit_warmup.WarmupResult(jobs=412, done=412, workers=12, wall_s=17.25, job_s=130.0).summary()
+    variants = jit_warmup.WarmupResult(jobs=20, done=19, failed=1, errors=["x"], workers=12, wall_s=5.0).summary()
     log = "\n".join([
-        "[2026-11-22 06:44:00] " + gemm_select.WARMUP_LOG % (94, summary),
+        "[2026-11-22 06:44:00] " + gemm_select.WARMUP_LOG % ("94 CUDA-graph token counts", summary),
+        "[2026-11-22 06:44:10] " + gemm_select.WARMUP_LOG % ("the num_sms variants to measure", variants),
         "[2026-11-22 06:48:24] Capture target prefill CUDA graph end. elapsed=13.71 s, mem usage=1.50 GB.",
         "[2026-11-22 06:48:32] Capture target decode CUDA graph end. elapsed=7.14 s, mem usage=0.22 GB.",
     ])
     info = BS.parse_log(log)
-    assert info["jit_warmup_s"] == 17.2 or info["jit_warmup_s"] == 17.3  # summary() rounds to 0.1 s
-    assert info["jit_warmup_launches"] == "412/412 x12"
+    assert info["jit_warmup_s"] in (22.2, 22.3)  # both rounds; summary() rounds to 0.1 s
+    assert info["jit_warmup_launches"] == "412/412 x12 + 19/20 x12"
     assert (info["capture_prefill_s"], info["capture_decode_s"]) == (13.71, 7.14)
     assert BS.parse_log("")["capture_prefill_s"] is None and BS.parse_log("")["jit_warmup_s"] == 0.0
 
 
 def test_bench_startup_cold_caches_cover_every_jit_cache(tmp_path):
     env = BS.cache_env(str(tmp_path))
-    assert set(env) == {"TRITON_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "FP8RL_GEMM_SELECT_CACHE", "TORCHINDUCTOR_CACHE_DIR"}
+    assert set(env) == {"TRITON_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "FP8RL_GEMM_SELECT_CACHE", "TORCHINDUCTOR_CACHE_DIR",
+                        "TVM_FFI_CACHE_DIR"}
     assert all(v.startswith(str(tmp_path)) for v in env.values())
     from sglang_fp8rl.kernels import gemm_select
 

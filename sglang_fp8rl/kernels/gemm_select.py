@@ -34,12 +34,14 @@ SGLang's decode CUDA graphs use bs 1, 2, 4, 8, 12, 16, 24, ..., 256, so every ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -67,8 +69,11 @@ DEFAULT_BUDGET_S = DEFAULT_GEMM_TUNE_BUDGET_S
 REL_TOL = 1e-2  # rel. Frobenius error vs the float64 block-scaled product; measured 1.7e-3 for DeepGEMM/Triton
 MIN_GAIN = 0.03
 ALT_BELOW = 0.70  # alternatives are measured where the default moves less than this fraction of copy bandwidth
+# ... and DeepGEMM num_sms variants (a JIT compile each) only below this: on H100 the variants won by x2.3 where the
+# default reached 33-35 % (gate_up, M 80-128) and by <= 6.5 % anywhere else (docs/RESULTS.md, sec. 7c)
+VARIANT_BELOW = 0.50
 BLOCK = (128, 128)
-WARMUP_LOG = "[fp8rl] DeepGEMM JIT warm-up for %d CUDA-graph token counts: %s"  # parsed by scripts/bench_startup.py
+WARMUP_LOG = "[fp8rl] DeepGEMM JIT warm-up for %s: %s"  # parsed by scripts/bench_startup.py
 
 # process state: the cached entries of this environment, the registry, the valid choice per shape key (derived from
 # both once, for the apply path), SGLang's default linear
@@ -515,23 +520,26 @@ def autotune(
     rel_tol: float = REL_TOL,
     min_gain: float = MIN_GAIN,
     alt_below: float = ALT_BELOW,
+    variant_below: float = VARIANT_BELOW,
     skip: dict[str, dict] | None = None,
     seed: int = 0,
     log: Callable[[str], None] = logger.info,
     device=None,
     timer: Callable | None = None,
     copy_gbs: float | None = None,
+    before_alternatives: Callable[[list[tuple[int, int, int, list[str]]]], None] | None = None,
 ) -> dict[str, dict]:
     """Measure the candidates for each (N, K) in ``shapes`` and each bucket <= ``max_m``; return new entries.
 
-    Shapes go largest weight first (most decode time), each in two phases, both by measurement. Phase 1 times
-    ``deepgemm_default`` at every bucket (the kernels it JIT-compiles are the ones CUDA-graph capture needs anyway)
-    and its efficiency: ``linear_bytes`` / time / copy bandwidth (``copy_gbs``, measured here if not given). Phase 2
-    measures the other candidates where that efficiency is below ``alt_below``, least efficient first; an entry
-    whose default is at least that efficient is complete without alternatives (each new candidate configuration
-    costs a JIT compile of seconds). Entries the budget cut are not returned (a later start measures them).
+    Two phases, both by measurement. Phase 1 times ``deepgemm_default`` at every bucket of every shape (largest
+    weight first; its kernels are the ones CUDA-graph capture needs anyway) and its efficiency: ``linear_bytes`` /
+    time / copy bandwidth (``copy_gbs``, measured here if not given). Phase 2 measures, least efficient entry first,
+    the other candidates where that efficiency is low: a DeepGEMM ``num_sms`` variant below ``variant_below`` (each
+    new variant configuration costs a JIT compile of seconds), any other candidate below ``alt_below``; an entry
+    efficient enough is complete without them. ``before_alternatives`` gets [(N, K, bucket, names)] of phase 2 once
+    before it starts (the caller compiles those kernels in parallel). Entries the budget cut are not returned.
 
-    Each measurement: one x ~ N(0, 1) per (N, K, bucket point) and its float64 block-scaled reference on one column
+    Each measurement: fresh x ~ N(0, 1) per (N, K, bucket point) and its float64 block-scaled reference on one column
     per 16; per candidate a first eager call (JIT; wall time kept as ``first_call_s``), the check (rel. Frobenius
     error <= ``rel_tol``, finite; a failure or an exception from ``candidate_errors()`` rejects the candidate for that
     entry), then a CUDA-graph timing. ``skip``: entries already valid. No new measurement starts after ``budget_s``.
@@ -560,47 +568,63 @@ def autotune(
         return time.time() - t0 > budget_s
 
     out: dict[str, dict] = {}
+    ops: dict[tuple[int, int], dict] = {}
+    pending: list[tuple[float, tuple[int, int], str, dict, list[str]]] = []  # phase 2: (eff, shape, key, entry, names)
     waiting = 0
     for n, k in sorted(set(shapes), key=lambda s: -s[0] * s[1]):  # largest weights (most time) first
         todo = [b for b in buckets_upto(max_m) if shape_key(n, k, b) not in (skip or {})]
-        if not todo or spent():
-            waiting += len(todo)
-            continue
-        ops = _operands(n, k, rot_bytes, ctx)
-        pending: list[tuple[float, str, dict]] = []  # (default's efficiency, key, entry) for phase 2
         for b in todo:
             if spent():
                 waiting += 1
                 continue
+            if (n, k) not in ops:
+                ops[(n, k)] = _operands(n, k, rot_bytes, ctx)
             entry = {"choice": DEFAULT, "candidates": names, "us": {}, "rejected": {}, "skipped": {},
                      "first_call_s": {}, "rel_err": {}, "points": list(bucket_points(b, points)),
                      "time": round(time.time()), "copy_GBs": round(copy_gbs, 1)}
-            entry["inputs"] = [_inputs(m, k, ops, ctx) for m in entry["points"]]
-            _run_candidate(cands[DEFAULT], n, k, entry, ops, ctx)
+            entry["inputs"] = [_inputs(m, k, ops[(n, k)], ctx) for m in entry["points"]]
+            _run_candidate(cands[DEFAULT], n, k, entry, ops[(n, k)], ctx)
+            entry.pop("inputs")
             us = entry["us"].get(DEFAULT)
             eff = sum(linear_bytes(m, n, k) for m in entry["points"]) / (us * 1e-6) / 1e9 / copy_gbs if us else 0.0
             entry["default_frac_copy_bw"] = round(eff, 3)
-            if eff >= alt_below:
-                for name in names[1:]:
-                    entry["skipped"][name] = f"default at {eff:.0%} of copy bandwidth (>= {alt_below:.0%})"
-                out[shape_key(n, k, b)] = _finish(entry, min_gain)
+            tried = _alternatives(cands, eff, alt_below, variant_below, entry)
+            if tried:
+                pending.append((eff, (n, k), shape_key(n, k, b), entry, tried))
             else:
-                pending.append((eff, shape_key(n, k, b), entry))
-        for eff, key, entry in sorted(pending, key=lambda p: p[0]):  # least efficient default first
-            if spent():
-                entry.pop("inputs", None)
-                waiting += 1
-                continue
-            for c in list(cands.values())[1:]:
-                _run_candidate(c, n, k, entry, ops, ctx)
-            out[key] = _finish(entry, min_gain)
-        del ops, pending
-        if on_cuda:
-            torch.cuda.empty_cache()
+                out[shape_key(n, k, b)] = _finish(entry, min_gain)
+    pending.sort(key=lambda p: p[0])  # least efficient default first
+    if before_alternatives is not None and pending and not spent():
+        before_alternatives([(*shape, parse_shape_key(key)[2], tried) for _, shape, key, _, tried in pending])
+    for _, (n, k), key, entry, tried in pending:
+        if spent():
+            waiting += 1
+            continue
+        entry["inputs"] = [_inputs(m, k, ops[(n, k)], ctx) for m in entry["points"]]
+        for name in tried:
+            _run_candidate(cands[name], n, k, entry, ops[(n, k)], ctx)
+        out[key] = _finish(entry, min_gain)
+    del ops, pending
+    if on_cuda:
+        torch.cuda.empty_cache()
     if waiting:
         log(f"gemm_select: budget {budget_s:.0f}s spent; {waiting} entries wait for a later start")
     log(f"gemm_select: measured {len(out)} (N, K, M bucket) entries in {time.time() - t0:.1f}s")
     return out
+
+
+def _alternatives(cands: dict[str, Candidate], eff: float, alt_below: float, variant_below: float,
+                  entry: dict) -> list[str]:
+    """The non-default candidates phase 2 measures for an entry whose default reached ``eff`` of copy bandwidth;
+    the others are recorded in ``entry["skipped"]`` with the reason."""
+    tried = []
+    for c in list(cands.values())[1:]:
+        below = variant_below if c.num_sms is not None else alt_below
+        if eff < below:
+            tried.append(c.name)
+        else:
+            entry["skipped"][c.name] = f"default at {eff:.0%} of copy bandwidth (>= {below:.0%})"
+    return tried
 
 
 def _operands(n: int, k: int, rot_bytes: float, ctx: dict) -> dict:
@@ -713,41 +737,38 @@ def model_block_shapes(model, device_type: str = "cuda") -> list[tuple[int, int]
 
 def prepare_model(model, budget_s: float | None = None, max_m: int = DEFAULT_MAX_M, capture_ms: Sequence[int] = (),
                   ranks_on_node: int = 1) -> dict[str, dict]:
-    """Warm DeepGEMM's JIT for ``capture_ms`` (the CUDA-graph token counts), look up (and in mode ``auto`` measure
-    what is missing for) the model's block shapes; log the table once.
+    """Compile what CUDA-graph capture (``capture_ms``: its token counts) will launch, look up (and in mode ``auto``
+    measure what is missing for) the model's block shapes; log the table once.
 
-    Runs after loading, before CUDA-graph capture. Returns this model's entries ({} when off or nothing to do)."""
+    Runs after loading, before CUDA-graph capture. DeepGEMM kernels are compiled by a :class:`jit_warmup.WarmupPool`
+    in two rounds: the default at every captured M and measured bucket, then (in auto mode) the num_sms variants
+    phase 2 of :func:`autotune` will measure. Returns this model's entries ({} when off or nothing to do)."""
     from sglang_fp8rl.server_args import get_options
 
     options = get_options()
     shapes = model_block_shapes(model)
     if not shapes:
         return {}
-    if options.gemm_select == "off":
-        _jit_warm_up(shapes, capture_ms, {}, set(), max_m, options.jit_workers, ranks_on_node)
-        return {}
     budget = options.gemm_tune_budget_s if budget_s is None else budget_s
     entries = _state_entries()
     names = list(registry())
     wanted = {shape_key(n, k, b) for n, k in shapes for b in buckets_upto(max_m)}
     valid = {key: e for key, e in entries.items() if key in wanted and valid_choice(e, names)}
+    selecting = options.gemm_select != "off"
     tune = options.gemm_select == "auto" and len(valid) < len(wanted) and budget > 0
-    _jit_warm_up(shapes, capture_ms, {key: e["choice"] for key, e in valid.items()},
-                 wanted - set(valid) if tune else set(), max_m, options.jit_workers, ranks_on_node)
-    if tune:
-        t0 = time.time()
-        # autotune's own progress lines go to debug: the one summary and table below are the decision log
-        new = autotune(shapes, max_m=max_m, candidates=registry(), budget_s=budget, skip=valid, log=logger.debug)
-        entries.update(new)
-        _STATE["choices"] = None  # derived from the entries: rebuilt at the next lookup
-        valid.update(new)
-        try:
-            merge_entries(None, _STATE["info"], new)
-        except OSError as e:
-            logger.warning("[fp8rl] gemm_select: could not write the cache %s (%s); choices kept for this process",
-                           cache_path(), e)
-        logger.info("[fp8rl] gemm_select: measured %d entries for %d shapes in %.1f s (budget %.0f s)",
-                    len(new), len(shapes), time.time() - t0, budget)
+    choices = {key: e["choice"] for key, e in valid.items()} if selecting else {}
+    with _warmup_pool(options.jit_workers, ranks_on_node) as pool:
+        light = _start_light_warmup(ours=selecting)
+        _jit_round(pool, warmup_streams(shapes, capture_ms, choices, wanted - set(valid) if tune else set(), max_m),
+                   f"{len(capture_ms)} CUDA-graph token counts")
+        light.join()
+        if not selecting:
+            return {}
+        if tune:
+            new = _tune(shapes, max_m, budget, valid, pool, capture_ms)
+            entries.update(new)
+            _STATE["choices"] = None  # derived from the entries: rebuilt at the next lookup
+            valid.update(new)
     missing = len(wanted) - len(valid)
     logger.info("[fp8rl] gemm_select (%s, cache %s): %d shapes x %d M buckets, %d on %s for lack of a measurement\n%s",
                 options.gemm_select, cache_path(), len(shapes), len(buckets_upto(max_m)), missing, DEFAULT,
@@ -755,31 +776,63 @@ def prepare_model(model, budget_s: float | None = None, max_m: int = DEFAULT_MAX
     return valid
 
 
+def _tune(shapes, max_m: int, budget: float, valid: dict[str, dict], pool, capture_ms) -> dict[str, dict]:
+    """The load-time autotune (variants compiled on ``pool`` before phase 2), cached on disk, logged in one line."""
+    t0 = time.time()
+
+    def compile_alternatives(todo: list[tuple[int, int, int, list[str]]]) -> None:
+        _jit_round(pool, variant_streams(todo, capture_ms, registry()), "the num_sms variants to measure")
+
+    # autotune's own progress lines go to debug: the one summary and table of prepare_model are the decision log
+    new = autotune(shapes, max_m=max_m, candidates=registry(), budget_s=budget, skip=valid, log=logger.debug,
+                   before_alternatives=compile_alternatives)
+    try:
+        merge_entries(None, _STATE["info"], new)
+    except OSError as e:
+        logger.warning("[fp8rl] gemm_select: could not write the cache %s (%s); choices kept for this process",
+                       cache_path(), e)
+    logger.info("[fp8rl] gemm_select: measured %d entries for %d shapes in %.1f s (budget %.0f s)",
+                len(new), len(shapes), time.time() - t0, budget)
+    return new
+
+
 def warmup_streams(shapes: Sequence[tuple[int, int]], capture_ms: Sequence[int], choices: dict[str, str],
                    to_measure: set[str], max_m: int = DEFAULT_MAX_M,
                    cands: dict[str, Candidate] | None = None) -> dict[tuple[int, int, int | None], set[int]]:
-    """(N, K, num_sms or None) -> the M values DeepGEMM will launch before serving: the default at every captured
-    M; a chosen num_sms variant at the captured M of its bucket; for an entry about to be measured, its measured
-    points under every candidate and the captured M of its bucket under every num_sms variant. Shapes DeepGEMM
-    does not take (SGLang runs Triton for them) are left out."""
+    """(N, K, num_sms or None) -> the M values DeepGEMM launches before serving, as far as known before measuring:
+    the default at every captured M and at the measured points of the entries ``to_measure``; a chosen num_sms
+    variant at the captured M of its bucket. Shapes DeepGEMM does not take (SGLang runs Triton) are left out."""
     cands = registry() if cands is None else cands
-    sms_of = {c.name: c.num_sms for c in cands.values() if c.needs_deepgemm and c.num_sms is not None}
+    sms_of = {c.name: c.num_sms for c in cands.values() if c.num_sms is not None}
     streams: dict[tuple[int, int, int | None], set[int]] = {}
     for n, k in shapes:
         if n % 64 or k % 128:
             continue
         default_ms = set(capture_ms)
         for b in buckets_upto(max_m):
-            key, captured = shape_key(n, k, b), {m for m in capture_ms if m_bucket(m) == b}
+            key = shape_key(n, k, b)
             if key in to_measure:
                 default_ms.update(bucket_points(b))
-                for sms in sms_of.values():
-                    streams.setdefault((n, k, sms), set()).update(captured, bucket_points(b))
             elif choices.get(key) in sms_of:
+                captured = {m for m in capture_ms if m_bucket(m) == b}
                 streams.setdefault((n, k, sms_of[choices[key]]), set()).update(captured)
-        if default_ms:
-            streams[(n, k, None)] = default_ms
+        streams[(n, k, None)] = default_ms
     return {key: ms for key, ms in streams.items() if ms}
+
+
+def variant_streams(todo: Sequence[tuple[int, int, int, Sequence[str]]], capture_ms: Sequence[int],
+                    cands: dict[str, Candidate]) -> dict[tuple[int, int, int | None], set[int]]:
+    """(N, K, num_sms) -> M values for the num_sms variants phase 2 measures: each entry's measured points and the
+    captured M of its bucket (what capture launches if the variant wins)."""
+    streams: dict[tuple[int, int, int | None], set[int]] = {}
+    for n, k, bucket, names in todo:
+        if n % 64 or k % 128:
+            continue
+        ms = set(bucket_points(bucket)) | {m for m in capture_ms if m_bucket(m) == bucket}
+        for name in names:
+            if cands[name].num_sms is not None:
+                streams.setdefault((n, k, cands[name].num_sms), set()).update(ms)
+    return streams
 
 
 def _deepgemm_takes_default() -> bool:
@@ -795,24 +848,63 @@ def _deepgemm_takes_default() -> bool:
     return dispatch_w8a8_block_fp8_linear() is deepgemm_w8a8_block_fp8_linear_with_fallback
 
 
-def _jit_warm_up(shapes, capture_ms, choices, to_measure, max_m, workers_option: int, ranks_on_node: int) -> None:
-    """Compile, in parallel worker processes, the DeepGEMM kernels of :func:`warmup_streams`; log one line."""
+@contextlib.contextmanager
+def _warmup_pool(workers_option: int, ranks_on_node: int):
+    """A :class:`jit_warmup.WarmupPool` on this rank's GPU (None when the warm-up is off or DeepGEMM is not used)."""
     from sglang_fp8rl.kernels import jit_warmup
     from sglang_fp8rl.server_args import AUTO_JIT_WORKERS
 
     if workers_option == 0 or not _deepgemm_takes_default():
+        yield None
         return
     import torch
 
-    streams = warmup_streams(shapes, capture_ms, choices, to_measure, max_m)
     workers = jit_warmup.default_workers(ranks_on_node) if workers_option == AUTO_JIT_WORKERS else workers_option
     free, _ = torch.cuda.mem_get_info()
     workers = max(1, min(workers, free // jit_warmup.WORKER_GPU_BYTES))
-    result = jit_warmup.warm_up(streams, env_key(_STATE["info"] or env_info()), workers,
-                                torch.cuda.current_device())
+    with jit_warmup.WarmupPool(workers, torch.cuda.current_device(), env=jit_warmup.worker_env()) as pool:
+        yield pool
+
+
+def _jit_round(pool, streams: dict[tuple[int, int, int | None], set[int]], what: str) -> None:
+    """One warm-up round on ``pool`` (nothing without a pool); one log line when it launched anything."""
+    from sglang_fp8rl.kernels import jit_warmup
+
+    if pool is None:
+        return
+    result = jit_warmup.warm_up(pool, streams, env_key(_STATE["info"] or env_info()))
     if result.jobs:
-        log = logger.warning if result.failed else logger.info
-        log(WARMUP_LOG, len(capture_ms), result.summary())
+        (logger.warning if result.failed else logger.info)(WARMUP_LOG, what, result.summary())
+
+
+def _start_light_warmup(ours: bool) -> threading.Thread:
+    """Compile, in a thread while the DeepGEMM round runs, the small JIT kernels of the block path: SGLang's 1x128
+    activation quantizers (tvm-ffi JIT in SGLang 0.5.17, ~8 s each on a cold cache) and, if ``ours``, our Triton
+    GEMM at M=1 and M=16. Their shapes are tiny: these kernels take N and K at run time."""
+    def run() -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        x = torch.randn(16, 4 * BLOCK[1], device="cuda", dtype=torch.bfloat16)
+        w, scale = random_block_weight(2 * BLOCK[0], 4 * BLOCK[1], x.device)
+        try:
+            from sglang.kernels.ops.quantization.fp8_kernel import sglang_per_token_group_quant_fp8
+
+            sglang_per_token_group_quant_fp8(x, BLOCK[1], column_major_scales=True, scale_tma_aligned=True,
+                                             scale_ue8m0=False)
+            if ours:
+                for m in (1, 16):
+                    for c in registry().values():
+                        if c.name.startswith(OURS_PREFIX):
+                            c.fn(x[:m], w, scale, None)
+            torch.cuda.synchronize()
+        except candidate_errors() as e:  # the first real call compiles it instead
+            logger.debug("[fp8rl] light JIT warm-up: %s", e)
+
+    thread = threading.Thread(target=run, name="fp8rl-light-jit", daemon=True)
+    thread.start()
+    return thread
 
 
 def apply_selected(x, weight, weight_scale_inv, bias, default_fn: Callable, block_size=BLOCK):

@@ -140,22 +140,26 @@ class _Worker:
         self.log = tempfile.TemporaryFile(mode="w+", prefix="fp8rl_jit_")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
                                      text=True, bufsize=1)
+        self.ready = False
         self.job: Job | None = None
 
-    def send(self, job: Job | None) -> None:
+    def send(self, job: Job) -> None:
         self.job = job
         assert self.proc.stdin is not None
-        if job is None:
-            self.proc.stdin.close()  # the worker exits at end of input
-        else:
-            self.proc.stdin.write(json.dumps(dataclasses.asdict(job)) + "\n")
-            self.proc.stdin.flush()
+        self.proc.stdin.write(json.dumps(dataclasses.asdict(job)) + "\n")
+        self.proc.stdin.flush()
 
     def stderr_tail(self) -> str:
         self.log.seek(0)
         return self.log.read()[-_ERROR_TAIL:].strip()
 
     def stop(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None and self.job is None:
+            try:
+                self.proc.stdin.close()  # an idle worker exits at end of input
+                self.proc.wait(5)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                pass
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
@@ -173,48 +177,95 @@ def worker_command(device_index: int, runner: str = DEFAULT_RUNNER) -> list[str]
             "--runner", runner]
 
 
+class WarmupPool:
+    """Worker processes that run rounds of jobs (each job to the next idle worker) until :meth:`close`.
+
+    Started at the first round that has jobs, with at most that round's number of workers; ``timeout_s`` counts from
+    the start for all rounds together. Never raises for a failed job, a dead worker or the timeout: they are counted
+    in each round's result."""
+
+    def __init__(self, workers: int, device_index: int = 0, timeout_s: float = TIMEOUT_S,
+                 runner: str = DEFAULT_RUNNER, env: dict[str, str] | None = None):
+        self.workers, self.timeout_s = workers, timeout_s
+        self.cmd = worker_command(device_index, runner)
+        self.env = dict(os.environ if env is None else env)
+        self.pool: list[_Worker] = []
+        self.sel = selectors.DefaultSelector()
+        self.t0: float | None = None
+        self.timed_out = False
+
+    def __enter__(self) -> WarmupPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, jobs: Sequence[Job]) -> WarmupResult:
+        """Run one round: returns when every job is done or failed, every worker died, or at the timeout."""
+        result = WarmupResult(jobs=len(jobs))
+        if not jobs or self.workers < 1 or self.timed_out:
+            result.failed = result.jobs if self.timed_out else 0
+            result.done = result.jobs - result.failed
+            return result
+        t1 = time.monotonic()
+        self._start(min(self.workers, len(jobs)))
+        result.workers = len(self.pool)
+        queue = deque(jobs)
+        for w in self.pool:
+            if w.ready and w.job is None and queue:
+                w.send(queue.popleft())
+        while self.sel.get_map() and (queue or any(w.job is not None for w in self.pool)):
+            left = self.timeout_s - (time.monotonic() - (self.t0 or t1))
+            if left <= 0:
+                self.timed_out = result.timed_out = True
+                break
+            for key, _ in self.sel.select(timeout=left):
+                _on_line(key.data, key.fileobj, self.sel, queue, result)
+        result.failed += len(queue) + sum(1 for w in self.pool if w.job is not None)
+        if self.timed_out:
+            self.close()  # kills the workers still compiling
+        result.done = result.jobs - result.failed
+        result.wall_s = time.monotonic() - t1
+        return result
+
+    def _start(self, count: int) -> None:
+        if self.t0 is not None:
+            return
+        self.t0 = time.monotonic()
+        for _ in range(count):
+            w = _Worker(self.cmd, self.env)
+            assert w.proc.stdout is not None
+            self.sel.register(w.proc.stdout, selectors.EVENT_READ, w)
+            self.pool.append(w)
+
+    def close(self) -> None:
+        for w in self.pool:
+            if w.proc.stdout is not None and w.proc.stdout in self.sel.get_map():
+                self.sel.unregister(w.proc.stdout)
+            w.stop()
+        self.pool = []
+        self.sel.close()
+        self.sel = selectors.DefaultSelector()
+
+
 def run_jobs(jobs: Sequence[Job], workers: int, device_index: int = 0, timeout_s: float = TIMEOUT_S,
              runner: str = DEFAULT_RUNNER, env: dict[str, str] | None = None) -> WarmupResult:
-    """Run ``jobs`` on ``workers`` fresh worker processes (each job to the next idle one); never raises for a
-    failed job, a dead worker or the timeout: they are counted in the result."""
-    result = WarmupResult(jobs=len(jobs))
-    if not jobs or workers < 1:
-        return result
-    t0 = time.monotonic()
-    queue = deque(jobs)
-    cmd = worker_command(device_index, runner)
-    pool = [_Worker(cmd, dict(os.environ if env is None else env)) for _ in range(min(workers, len(jobs)))]
-    result.workers = len(pool)
-    sel = selectors.DefaultSelector()
-    for w in pool:
-        assert w.proc.stdout is not None
-        sel.register(w.proc.stdout, selectors.EVENT_READ, w)
-    try:
-        while sel.get_map():
-            left = timeout_s - (time.monotonic() - t0)
-            if left <= 0:
-                result.timed_out = True
-                break
-            for key, _ in sel.select(timeout=left):
-                _on_line(key.data, key.fileobj, sel, queue, result)
-    finally:
-        for w in pool:
-            w.stop()
-        sel.close()
-    result.failed += len(queue) + sum(1 for w in pool if w.job is not None)
-    result.done = result.jobs - result.failed
-    result.wall_s = time.monotonic() - t0
-    return result
+    """One round on a fresh pool (see :class:`WarmupPool`)."""
+    with WarmupPool(workers, device_index, timeout_s, runner, env) as pool:
+        return pool.run(jobs)
 
 
 def _on_line(w: _Worker, stream: TextIO, sel: selectors.BaseSelector, queue: deque, result: WarmupResult) -> None:
     """Handle one line of a worker: ready or a job's result (then hand it the next job), or its death."""
     line = stream.readline()
-    if not line:  # the worker exited: its job (if any) is counted failed at the end
+    if not line:  # the worker exited: its job (if any) failed
         sel.unregister(stream)
         w.proc.wait()
         if w.job is not None or w.proc.returncode:
             result.errors.append(f"worker exit {w.proc.returncode}: {w.stderr_tail()}"[:_ERROR_TAIL])
+        if w.job is not None:
+            result.failed += 1
+            w.job = None
         return
     try:
         msg = json.loads(line)
@@ -228,9 +279,13 @@ def _on_line(w: _Worker, stream: TextIO, sel: selectors.BaseSelector, queue: deq
     elif "s" in msg and w.job is not None:
         result.job_s += float(msg["s"])
         result.succeeded.append(w.job)
-    elif msg.get(READY) is not True:
+    elif msg.get(READY) is True:
+        w.ready = True
+    else:
         return
-    w.send(queue.popleft() if queue else None)
+    w.job = None
+    if queue:
+        w.send(queue.popleft())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -266,21 +321,19 @@ def record_warmed(env: str, jobs: Iterable[Job], path: str | None = None) -> Non
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".fp8rl_jit.")
     with os.fdopen(fd, "w") as f:
-        json.dump({"env": env, "jobs": sorted(dataclasses.astuple(j) for j in done)}, f)
+        json.dump({"env": env, "jobs": sorted((dataclasses.astuple(j) for j in done), key=_job_order)}, f)
     os.replace(tmp, path)
 
 
-def warm_up(streams: dict[tuple[int, int, int | None], Iterable[int]], env: str, workers: int,
-            device_index: int = 0, timeout_s: float = TIMEOUT_S, runner: str = DEFAULT_RUNNER) -> WarmupResult:
-    """Launch every job of ``streams`` not yet recorded as warmed, on ``workers`` processes; record what worked.
+def _job_order(job: tuple) -> tuple:
+    return tuple(-1 if v is None else v for v in job)
 
-    Workers run with ``SGLANG_JIT_DEEPGEMM_PRECOMPILE=0`` (each compiles only the launches it is given)."""
+
+def warm_up(pool: WarmupPool, streams: dict[tuple[int, int, int | None], Iterable[int]], env: str) -> WarmupResult:
+    """Run on ``pool`` every job of ``streams`` not yet recorded as warmed in ``env``; record what worked."""
     done = warmed_jobs(env)
     jobs = [j for j in plan_jobs(streams) if j not in done]
-    if not jobs:
-        return WarmupResult()
-    worker_env = dict(os.environ, **{DEEPGEMM_PRECOMPILE_ENV: "0"})
-    result = run_jobs(jobs, workers, device_index, timeout_s, runner, worker_env)
+    result = pool.run(jobs)
     if result.succeeded:
         try:
             record_warmed(env, result.succeeded)
@@ -290,26 +343,44 @@ def warm_up(streams: dict[tuple[int, int, int | None], Iterable[int]], env: str,
     return result
 
 
+def worker_env() -> dict[str, str]:
+    """The workers' environment: this process's, with ``SGLANG_JIT_DEEPGEMM_PRECOMPILE=0`` (each worker compiles
+    only the launches it is given)."""
+    return dict(os.environ, **{DEEPGEMM_PRECOMPILE_ENV: "0"})
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # worker side
 
 
 def deepgemm_job(job: Job, state: dict) -> None:
-    """Launch SGLang's DeepGEMM block-FP8 linear once for ``job`` (random values: only the launch matters)."""
+    """Launch DeepGEMM's block-FP8 GEMM once for ``job`` exactly as SGLang's DeepGEMM linear does.
+
+    SGLang (``deepgemm_w8a8_block_fp8_linear_with_fallback``) calls ``deep_gemm.fp8_gemm_nt((xq, xs), (w, ws), out)``
+    with defaults: xq [M, K] e4m3, xs [M, K/128] float32 column-major with rows padded to 4 (TMA), w [N, K] e4m3,
+    ws [N/128, K/128] float32, out [M, N] bf16. The worker builds those operands itself instead of importing SGLang,
+    whose import takes 25-35 s per process on the GPU machine; tests/gpu/test_jit_warmup_gpu.py checks that SGLang's
+    own call then finds the kernels compiled."""
+    import deep_gemm
     import torch
-    from sglang.srt.layers import deep_gemm_wrapper
-    from sglang.srt.layers.quantization.fp8_utils import deepgemm_w8a8_block_fp8_linear_with_fallback
 
     block = 128
+    if "default_sms" not in state:
+        state["default_sms"] = deep_gemm.get_num_sms()
     if (job.n, job.k) not in state:
-        weight = torch.randn(job.n, job.k, device="cuda").clamp_(-2, 2).to(torch.float8_e4m3fn)
-        scale = torch.full((-(-job.n // block), -(-job.k // block)), 1e-2, device="cuda")
+        weight = torch.zeros(job.n, job.k, device="cuda", dtype=torch.float8_e4m3fn)
+        scale = torch.ones(-(-job.n // block), -(-job.k // block), device="cuda")
         state[(job.n, job.k)] = (weight, scale)
     weight, scale = state[(job.n, job.k)]
-    x = torch.randn(job.m, job.k, device="cuda", dtype=torch.bfloat16)
-    with deep_gemm_wrapper.configure_deep_gemm_num_sms(job.num_sms):
-        deepgemm_w8a8_block_fp8_linear_with_fallback(input=x, weight=weight, block_size=[block, block],
-                                                     weight_scale=scale, input_scale=None, bias=None)
+    x = torch.zeros(job.m, job.k, device="cuda", dtype=torch.float8_e4m3fn)
+    groups, padded_m = -(-job.k // block), -(-job.m // 4) * 4
+    x_scale = torch.ones(groups, padded_m, device="cuda").t()[: job.m]
+    out = torch.empty(job.m, job.n, device="cuda", dtype=torch.bfloat16)
+    deep_gemm.set_num_sms(job.num_sms or state["default_sms"])
+    try:
+        deep_gemm.fp8_gemm_nt((x, x_scale), (weight, scale), out)
+    finally:
+        deep_gemm.set_num_sms(state["default_sms"])
     torch.cuda.synchronize()
 
 

@@ -27,16 +27,25 @@ def deepgemm_default():
 
 
 def test_warm_up_compiles_in_workers_then_this_process_only_loads(deepgemm_default, tmp_path, monkeypatch):
-    # an odd num_sms gives kernels no other test or start has compiled (num_sms is a template parameter)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count - 7
+    # a num_sms no candidate uses gives kernels no other test or start compiled (num_sms is a template parameter;
+    # DeepGEMM wants it even)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count - 6
     n, k, ms = 2048, 1024, (1, 48, 200, 1000)
     monkeypatch.setenv("DG_JIT_CACHE_DIR", jw.deepgemm_cache_dir())  # the record goes where DeepGEMM writes
     result = jw.warm_up({(n, k, sms): ms}, env=f"test|{time.time()}", workers=2,
                         device_index=torch.cuda.current_device(), timeout_s=240)
     assert (result.done, result.failed, result.timed_out) == (len(ms), 0, False), result.summary()
     assert set(result.succeeded) == {jw.Job(n, k, m, sms) for m in ms}
-    state: dict = {}
+    # SGLang's own DeepGEMM linear (what capture launches) finds every kernel compiled
+    from sglang.srt.layers import deep_gemm_wrapper
+    from sglang.srt.layers.quantization.fp8_utils import deepgemm_w8a8_block_fp8_linear_with_fallback
+
+    weight = torch.zeros(n, k, device="cuda", dtype=torch.float8_e4m3fn)
+    scale = torch.ones(n // 128, k // 128, device="cuda")
     for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         t = time.monotonic()
-        jw.deepgemm_job(jw.Job(n, k, m, sms), state)
-        assert time.monotonic() - t < CACHED_LAUNCH_S, f"M={m}: compiled again in this process"
+        with deep_gemm_wrapper.configure_deep_gemm_num_sms(sms):
+            deepgemm_w8a8_block_fp8_linear_with_fallback(x, weight, [128, 128], scale)
+        torch.cuda.synchronize()
+        assert time.monotonic() - t < CACHED_LAUNCH_S, f"M={m}: SGLang's call compiled a kernel the warm-up did not"
