@@ -112,13 +112,14 @@ def config_spec(cfg: str, moe: bool = False) -> dict:
 
 
 def bench_flags(model_path: str, batch_sizes, input_len: int, output_len: int, mem_fraction: float,
-                result_file: str, run_name: str, repeat: int = 1) -> list[str]:
+                result_file: str, run_name: str, repeat: int = 1, prefill_graph: bool = False) -> list[str]:
     bs_sweep = [str(b) for b in list(batch_sizes) * max(1, repeat)]
     graph_bs = [str(b) for b in sorted(set(int(b) for b in batch_sizes))]
+    prefill = [] if prefill_graph else ["--disable-prefill-cuda-graph"]
     return ["--model-path", model_path, "--load-format", "dummy", "--attention-backend", "triton",
             "--sampling-backend", "pytorch", "--grammar-backend", "none", "--dtype", "bfloat16",
             "--batch-size", *bs_sweep, "--input-len", str(input_len), "--output-len", str(output_len),
-            "--disable-prefill-cuda-graph", "--cuda-graph-bs-decode", *graph_bs,
+            *prefill, "--cuda-graph-bs-decode", *graph_bs,
             "--mem-fraction-static", str(mem_fraction), "--result-filename", result_file, "--run-name", run_name]
 
 
@@ -532,6 +533,8 @@ def parse_args(argv=None):
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=None, help="default 1024 (--moe: 512)")
     p.add_argument("--repeat", type=int, default=1, help="run the batch-size list N times in one process")
+    p.add_argument("--prefill-graph", action="store_true",
+                   help="keep SGLang's prefill CUDA graphs (the server default; off by default here: eager prefill)")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="default 0.7 (--moe: 0.88)")
     p.add_argument("--model-dir", default="/tmp/fp8rl_models", help="dummy model folders (made if missing)")
     p.add_argument("--out", default="/tmp/fp8rl_bench_rollout")
@@ -571,7 +574,7 @@ def main(argv=None) -> int:
         mpath = os.path.join(model_dir, spec["model"])
         cmd = [sys.executable, os.path.abspath(__file__), "_child",
                *bench_flags(mpath, args.batch_sizes, args.input_len, args.output_len, args.mem_fraction_static,
-                            os.path.join(raw, f"{cfg}.jsonl"), cfg, args.repeat), *spec["flags"]]
+                            os.path.join(raw, f"{cfg}.jsonl"), cfg, args.repeat, args.prefill_graph), *spec["flags"]]
         if args.profile_decode and cfg in args.profile_configs:
             cmd += profile_flags(cfg, args.output_len, args.profile_steps)
         if args.extra_args:

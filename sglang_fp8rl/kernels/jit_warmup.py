@@ -40,6 +40,7 @@ MAX_WORKERS = 12  # nvcc is one core per compile; more workers than this mostly 
 WORKER_GPU_BYTES = 2 << 30  # per worker: CUDA context, weights of every shape, the largest activation and output
 TIMEOUT_S = 300.0
 RECORD_NAME = "fp8rl_jit_warmed.json"
+CLOSE_WAIT_S = 5.0  # idle workers get this long, together, to exit on their own
 READY = "ready"
 _ERROR_TAIL = 600  # characters of a dead worker's stderr kept for the report
 
@@ -153,13 +154,19 @@ class _Worker:
         self.log.seek(0)
         return self.log.read()[-_ERROR_TAIL:].strip()
 
-    def stop(self) -> None:
+    def finish_input(self) -> None:
+        """Close an idle worker's input: it exits at end of input (a busy one is killed by :meth:`stop`)."""
         if self.proc.poll() is None and self.proc.stdin is not None and self.job is None:
             try:
-                self.proc.stdin.close()  # an idle worker exits at end of input
-                self.proc.wait(5)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.stdin.close()
+            except BrokenPipeError:
                 pass
+
+    def stop(self, wait_s: float = 0.0) -> None:
+        try:
+            self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            pass
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
@@ -239,10 +246,13 @@ class WarmupPool:
             self.pool.append(w)
 
     def close(self) -> None:
+        for w in self.pool:  # all at once: each worker's exit (CUDA context teardown) takes ~0.5 s
+            w.finish_input()
+        deadline = time.monotonic() + CLOSE_WAIT_S
         for w in self.pool:
             if w.proc.stdout is not None and w.proc.stdout in self.sel.get_map():
                 self.sel.unregister(w.proc.stdout)
-            w.stop()
+            w.stop(max(0.0, deadline - time.monotonic()))
         self.pool = []
         self.sel.close()
         self.sel = selectors.DefaultSelector()

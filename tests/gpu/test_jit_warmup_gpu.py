@@ -32,13 +32,17 @@ def test_warm_up_compiles_in_workers_then_this_process_only_loads(deepgemm_defau
     sms = torch.cuda.get_device_properties(0).multi_processor_count - 6
     n, k, ms = 2048, 1024, (1, 48, 200, 1000)
     monkeypatch.setenv("DG_JIT_CACHE_DIR", jw.deepgemm_cache_dir())  # the record goes where DeepGEMM writes
-    result = jw.warm_up({(n, k, sms): ms}, env=f"test|{time.time()}", workers=2,
-                        device_index=torch.cuda.current_device(), timeout_s=240)
+    with jw.WarmupPool(2, torch.cuda.current_device(), timeout_s=240, env=jw.worker_env()) as pool:
+        result = jw.warm_up(pool, {(n, k, sms): ms}, env=f"test|{time.time()}")
     assert (result.done, result.failed, result.timed_out) == (len(ms), 0, False), result.summary()
     assert set(result.succeeded) == {jw.Job(n, k, m, sms) for m in ms}
-    # SGLang's own DeepGEMM linear (what capture launches) finds every kernel compiled
+    # SGLang's own DeepGEMM linear (what capture launches) finds every kernel compiled; SGLang's precompile of every
+    # M (its default, which the plugin's launcher turns off) would hide what this checks
     from sglang.srt.layers import deep_gemm_wrapper
+    from sglang.srt.layers.deep_gemm_wrapper import compile_utils
     from sglang.srt.layers.quantization.fp8_utils import deepgemm_w8a8_block_fp8_linear_with_fallback
+
+    monkeypatch.setattr(compile_utils, "_ENABLE_JIT_DEEPGEMM_PRECOMPILE", False)
 
     weight = torch.zeros(n, k, device="cuda", dtype=torch.float8_e4m3fn)
     scale = torch.ones(n // 128, k // 128, device="cuda")
