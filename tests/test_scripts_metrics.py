@@ -315,6 +315,12 @@ def test_bench_flags_parse_with_sglang_bench_one_batch():
         assert ba.profile and ba.profile_stage == "decode" and ba.profile_activities == ("GPU",)
         assert ns.quantization == {"bf16": None, "block_prequant": None, "fp8_channel": "fp8",
                                    "fp8_online_blockwise": "fp8_online_blockwise"}[cfg]
+    # --prefill-graph keeps SGLang's prefill CUDA graphs (the server default)
+    argv = BR.bench_flags("/m/qwen3-8b", [1, 8], 512, 64, 0.7, "/tmp/r.jsonl", "bf16", prefill_graph=True)
+    parser = argparse.ArgumentParser()
+    SA.ServerArgs.add_cli_args(parser)
+    one_batch.BenchArgs.add_cli_args(parser)
+    assert not parser.parse_args(argv).disable_prefill_cuda_graph
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -53,7 +53,33 @@ def candidates():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     # every kernel, ours in all its configurations and at every M (the selector tries it only at small M)
-    return gs.make_candidates(triton=True, ours=gs.ALL_OURS_CONFIGS)
+    cands = gs.make_candidates(triton=True, ours=gs.ALL_OURS_CONFIGS)
+    restore = _compile_deepgemm_cases(cands)
+    yield cands
+    restore()
+
+
+def _compile_deepgemm_cases(cands):
+    """DeepGEMM kernels of the cases below, compiled in parallel by the server's own warm-up (one per tile
+    configuration, seconds each: serially they take most of the stage), and SGLang's precompile of every M off."""
+    from sglang_fp8rl.kernels import jit_warmup as jw
+
+    if not gs._deepgemm_takes_default():
+        return lambda: None
+    from sglang.srt.layers.deep_gemm_wrapper import compile_utils
+
+    before = compile_utils._ENABLE_JIT_DEEPGEMM_PRECOMPILE
+    compile_utils._ENABLE_JIT_DEEPGEMM_PRECOMPILE = False
+    shapes = SHAPES if FULL else sorted(DEEPGEMM_SHAPES)
+    variants = [c.num_sms for c in cands.values() if c.needs_deepgemm] + [None]
+    streams = {(n, k, sms): MS for n, k in shapes for sms in variants if not (n % 64 or k % 128)}
+    with jw.WarmupPool(jw.default_workers(), torch.cuda.current_device(), env=jw.worker_env()) as pool:
+        print(jw.warm_up(pool, streams, gs.env_key(gs.env_info())).summary())
+
+    def restore():
+        compile_utils._ENABLE_JIT_DEEPGEMM_PRECOMPILE = before
+
+    return restore
 
 
 @pytest.mark.parametrize("n, k", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
