@@ -5,8 +5,9 @@ Why: DeepGEMM compiles one kernel per tile configuration (tile sizes, stages, mu
 runtime arguments) with nvcc on its first launch, 2.5-5.5 s each on the H100 machine, one after the other in the
 launching process, and keeps the cubin in its disk cache (``DG_JIT_CACHE_DIR``). SGLang 0.5.17's prefill CUDA-graph
 capture (58 token counts) made a cold ``fp8_online_blockwise`` start 111 s slower than BF16 that way
-(docs/RESULTS.md sec. 8). Here worker processes launch the very same SGLang calls for the same (M, N, K, num_sms)
-first, so the compiles run side by side and capture and autotune only load cubins from the cache.
+(session 2, docs/RESULTS.md sec. 8). Here worker processes first launch DeepGEMM exactly as SGLang's DeepGEMM linear
+does, for the same (M, N, K, num_sms), so the compiles run side by side and capture and autotune only load cubins
+(measured: +18 s over a cold BF16 start instead of +142 s).
 
 Jobs go one at a time to whichever worker is idle, ordered coarse-to-fine in M (:func:`spread_order`): neighbouring
 M usually share a configuration, and one that two workers compile at the same time is compiled twice. A failed job,
@@ -47,7 +48,7 @@ _ERROR_TAIL = 600  # characters of a dead worker's stderr kept for the report
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One launch: SGLang's DeepGEMM block-FP8 linear on [m, k] x [n, k]^T, under ``num_sms`` SMs if given."""
+    """One launch of DeepGEMM's block-FP8 GEMM on [m, k] x [n, k]^T, under ``num_sms`` SMs (None: DeepGEMM's own)."""
 
     n: int
     k: int
