@@ -144,9 +144,15 @@ def jobs_for(ms, n=256, k=384, sms=None):
     return [jw.Job(n, k, m, sms) for m in ms]
 
 
-def test_run_jobs_runs_every_job_once_across_workers(fake_runner):
+def one_round(jobs, workers, runner, timeout_s=jw.TIMEOUT_S):
+    """One round of jobs on a fresh pool of real worker processes."""
+    with jw.WarmupPool(workers, timeout_s=timeout_s, runner=runner.spec, env=runner.env) as pool:
+        return pool.run(jobs)
+
+
+def test_pool_runs_every_job_once_across_workers(fake_runner):
     jobs = jobs_for(range(10, 40)) + jobs_for([64], sms=124)
-    result = jw.run_jobs(jobs, workers=3, runner=fake_runner.spec, env=fake_runner.env, timeout_s=60)
+    result = one_round(jobs, 3, fake_runner, timeout_s=60)
     assert (result.done, result.failed, result.workers, result.timed_out) == (31, 0, 3, False)
     assert sorted(result.succeeded, key=dataclasses.astuple) == sorted(jobs, key=dataclasses.astuple)
     runs = fake_runner.runs()
@@ -154,26 +160,25 @@ def test_run_jobs_runs_every_job_once_across_workers(fake_runner):
     assert len({r[0] for r in runs}) > 1  # more than one process did work
 
 
-def test_run_jobs_counts_a_failing_job_and_goes_on(fake_runner):
-    result = jw.run_jobs(jobs_for([6, 7, 8]), workers=1, runner=fake_runner.spec, env=fake_runner.env, timeout_s=60)
+def test_pool_counts_a_failing_job_and_goes_on(fake_runner):
+    result = one_round(jobs_for([6, 7, 8]), 1, fake_runner, timeout_s=60)
     assert (result.done, result.failed) == (2, 1)
     assert "M=7" in result.errors[0] and "ValueError" in result.errors[0] and "m=7" in result.errors[0]
     assert {j.m for j in result.succeeded} == {6, 8}
     assert "1 failed" in result.summary()
 
 
-def test_run_jobs_survives_a_dying_worker(fake_runner):
+def test_pool_survives_a_dying_worker(fake_runner):
     jobs = jobs_for([5] + list(range(10, 20)))
-    result = jw.run_jobs(jobs, workers=2, runner=fake_runner.spec, env=fake_runner.env, timeout_s=60)
+    result = one_round(jobs, 2, fake_runner, timeout_s=60)
     assert result.failed == 1 and result.done == len(jobs) - 1
     assert 5 not in {j.m for j in result.succeeded}
     assert any("worker exit 3" in e for e in result.errors)
 
 
-def test_run_jobs_stops_at_the_timeout(fake_runner):
+def test_pool_stops_at_the_timeout(fake_runner):
     t0 = time.monotonic()
-    result = jw.run_jobs(jobs_for([9, 11, 12]), workers=1, runner=fake_runner.spec, env=fake_runner.env,
-                         timeout_s=3)
+    result = one_round(jobs_for([9, 11, 12]), 1, fake_runner, timeout_s=3)
     assert time.monotonic() - t0 < 20  # the sleeping worker is killed, not waited for
     assert result.timed_out and result.failed == 3 and result.done == 0
     assert "stopped at the timeout" in result.summary()
@@ -197,9 +202,9 @@ def test_pool_after_a_timeout_runs_nothing(fake_runner):
     assert [int(r[3]) for r in fake_runner.runs()] == [9]
 
 
-def test_run_jobs_with_nothing_to_do_starts_nothing(fake_runner):
-    assert jw.run_jobs([], workers=4, runner=fake_runner.spec, env=fake_runner.env).workers == 0
-    assert jw.run_jobs(jobs_for([1]), workers=0, runner=fake_runner.spec, env=fake_runner.env).workers == 0
+def test_pool_with_nothing_to_do_starts_nothing(fake_runner):
+    assert one_round([], 4, fake_runner).workers == 0
+    assert one_round(jobs_for([1]), 0, fake_runner).workers == 0
     assert fake_runner.runs() == []
 
 

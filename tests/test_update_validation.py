@@ -118,7 +118,10 @@ def test_stream_is_validated_in_chunks(monkeypatch):
 
 def test_dry_run_is_remembered_per_request_signature():
     model = TinyModel()
-    stats = lambda: U.UpdateStats(index=1, ok=False, message="")  # noqa: E731
+
+    def stats():
+        return U.UpdateStats(index=1, ok=False, message="")
+
     U.validate_update(model, model.load_weights, good(), stats())
     assert model.calls == 1
     again = U.validate_update(model, model.load_weights, good(), stats())  # new values, same names and shapes

@@ -197,15 +197,20 @@ def load_cache(path: str | None = None) -> dict:
     return data
 
 
-def save_cache(data: dict, path: str | None = None) -> str:
-    """Atomic write (temp file + rename) of the whole cache."""
-    path = path or cache_path()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".gemm_select.")
+def write_json_atomic(path: str, data: Any) -> str:
+    """Write ``data`` as JSON through a temp file and a rename: readers see the old file or the new one, whole."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
     return path
+
+
+def save_cache(data: dict, path: str | None = None) -> str:
+    """Atomic write of the whole cache."""
+    return write_json_atomic(path or cache_path(), data)
 
 
 def env_entries(data: dict, info: dict[str, str]) -> dict[str, dict]:
@@ -389,6 +394,11 @@ def candidate_names() -> list[str]:
     return list(make_candidates())
 
 
+def deepgemm_takes_shape(n: int, k: int) -> bool:
+    """Whether SGLang runs DeepGEMM for an [N, K] block weight (else it silently runs its Triton block GEMM)."""
+    return n % 64 == 0 and k % 128 == 0
+
+
 def unsupported_reason(c: Candidate, n: int, k: int, device_sms: int, deepgemm_ok: bool, ue8m0: bool,
                        m: int | None = None) -> str | None:
     """Why ``c`` cannot run (m, n, k) as itself, or None. DeepGEMM variants need SGLang's DeepGEMM path to be taken
@@ -403,7 +413,7 @@ def unsupported_reason(c: Candidate, n: int, k: int, device_sms: int, deepgemm_o
         return "DeepGEMM disabled or missing"
     if ue8m0:
         return "DeepGEMM wants UE8M0 scales on this GPU"
-    if n % 64 or k % 128:
+    if not deepgemm_takes_shape(n, k):
         return "shape not supported by DeepGEMM (SGLang falls back to Triton)"
     if c.num_sms is not None and not 0 < c.num_sms < device_sms:
         return f"num_sms {c.num_sms} not below the device's {device_sms}"
@@ -806,7 +816,7 @@ def warmup_streams(shapes: Sequence[tuple[int, int]], capture_ms: Sequence[int],
     sms_of = {c.name: c.num_sms for c in cands.values() if c.num_sms is not None}
     streams: dict[tuple[int, int, int | None], set[int]] = {}
     for n, k in shapes:
-        if n % 64 or k % 128:
+        if not deepgemm_takes_shape(n, k):
             continue
         default_ms = set(capture_ms)
         for b in buckets_upto(max_m):
@@ -814,8 +824,7 @@ def warmup_streams(shapes: Sequence[tuple[int, int]], capture_ms: Sequence[int],
             if key in to_measure:
                 default_ms.update(bucket_points(b))
             elif choices.get(key) in sms_of:
-                captured = {m for m in capture_ms if m_bucket(m) == b}
-                streams.setdefault((n, k, sms_of[choices[key]]), set()).update(captured)
+                streams.setdefault((n, k, sms_of[choices[key]]), set()).update(_captured_in(b, capture_ms))
         streams[(n, k, None)] = default_ms
     return {key: ms for key, ms in streams.items() if ms}
 
@@ -826,13 +835,18 @@ def variant_streams(todo: Sequence[tuple[int, int, int, Sequence[str]]], capture
     captured M of its bucket (what capture launches if the variant wins)."""
     streams: dict[tuple[int, int, int | None], set[int]] = {}
     for n, k, bucket, names in todo:
-        if n % 64 or k % 128:
+        if not deepgemm_takes_shape(n, k):
             continue
-        ms = set(bucket_points(bucket)) | {m for m in capture_ms if m_bucket(m) == bucket}
+        ms = set(bucket_points(bucket)) | _captured_in(bucket, capture_ms)
         for name in names:
             if cands[name].num_sms is not None:
                 streams.setdefault((n, k, cands[name].num_sms), set()).update(ms)
     return streams
+
+
+def _captured_in(bucket: int, capture_ms: Sequence[int]) -> set[int]:
+    """The captured token counts that fall in ``bucket``: what capture launches with that bucket's choice."""
+    return {m for m in capture_ms if m_bucket(m) == bucket}
 
 
 def _deepgemm_takes_default() -> bool:

@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TextIO
+from typing import Any, Self, TextIO
 
 from sglang_fp8rl.server_args import DEEPGEMM_PRECOMPILE_ENV
 
@@ -202,7 +202,7 @@ class WarmupPool:
         self.t0: float | None = None
         self.timed_out = False
 
-    def __enter__(self) -> WarmupPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -257,13 +257,6 @@ class WarmupPool:
         self.pool = []
         self.sel.close()
         self.sel = selectors.DefaultSelector()
-
-
-def run_jobs(jobs: Sequence[Job], workers: int, device_index: int = 0, timeout_s: float = TIMEOUT_S,
-             runner: str = DEFAULT_RUNNER, env: dict[str, str] | None = None) -> WarmupResult:
-    """One round on a fresh pool (see :class:`WarmupPool`)."""
-    with WarmupPool(workers, device_index, timeout_s, runner, env) as pool:
-        return pool.run(jobs)
 
 
 def _on_line(w: _Worker, stream: TextIO, sel: selectors.BaseSelector, queue: deque, result: WarmupResult) -> None:
@@ -327,13 +320,11 @@ def warmed_jobs(env: str, path: str | None = None) -> set[Job]:
 
 def record_warmed(env: str, jobs: Iterable[Job], path: str | None = None) -> None:
     """Add ``jobs`` to the record (atomic rewrite; a record of another environment is replaced)."""
+    from sglang_fp8rl.kernels.gemm_select import write_json_atomic
+
     path = path or record_path()
     done = warmed_jobs(env, path) | set(jobs)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".fp8rl_jit.")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"env": env, "jobs": sorted((dataclasses.astuple(j) for j in done), key=_job_order)}, f)
-    os.replace(tmp, path)
+    write_json_atomic(path, {"env": env, "jobs": sorted((dataclasses.astuple(j) for j in done), key=_job_order)})
 
 
 def _job_order(job: tuple) -> tuple:
@@ -427,7 +418,7 @@ def _reply(out: TextIO, msg: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="sglang-fp8rl JIT warm-up worker (started by run_jobs)")
+    p = argparse.ArgumentParser(description="sglang-fp8rl JIT warm-up worker (started by WarmupPool)")
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--runner", default=DEFAULT_RUNNER)
     args = p.parse_args(argv)

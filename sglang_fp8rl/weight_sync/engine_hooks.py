@@ -23,7 +23,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang_fp8rl.kernels import gemm_select, jit_warmup
-
 from sglang_fp8rl.weight_sync.update import (
     GuardedLoadWeights,
     PartialUpdateError,
