@@ -16,6 +16,7 @@ these functions. The rules, shared by all of them:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -54,6 +55,20 @@ def check_finite(x: torch.Tensor, what: str = "w") -> None:
         value = x[pos].item()
         index = ", ".join(str(i) for i in pos)
         raise ValueError(f"{what}[{index}] is {value} ({x.dtype}): NaN/Inf cannot be quantized to FP8")
+
+
+def extremes(x: torch.Tensor) -> torch.Tensor:
+    """[min, max] of a non-empty ``x`` as float32 (one read-only reduction): NaN propagates into both, +-Inf shows."""
+    low, high = torch.aminmax(x)
+    return torch.stack((low, high)).float()
+
+
+def extremes_finite_in_bf16(ends: torch.Tensor) -> bool:
+    """Whether extremes (from :func:`extremes`, possibly several concatenated) stay finite once rounded to BF16.
+
+    Rounding is monotone, so BF16(min) and BF16(max) bound every rounded element; an FP32 value past BF16's range
+    becomes Inf there, exactly as in :func:`round_to_bf16` + :func:`check_finite`. One host sync."""
+    return bool(torch.isfinite(ends.to(torch.bfloat16)).all())
 
 
 def _check_scale_format(scale_format: str) -> None:
@@ -97,9 +112,10 @@ def expand_block_scale(scale_inv: torch.Tensor, shape: tuple[int, int], block_si
     return scale_inv.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
 
 
-def _check_block_size(block_size: tuple[int, int]) -> tuple[int, int]:
-    if len(block_size) != 2 or any(int(b) != b or b < 1 for b in block_size):
-        raise ValueError(f"block_size must be two positive ints, got {block_size!r}")
+def check_block_size(block_size: Sequence[int]) -> tuple[int, int]:
+    """(block_n, block_k) as ints; ValueError unless it is two positive integers."""
+    if len(block_size) != 2 or any(isinstance(b, bool) or int(b) != b or b < 1 for b in block_size):
+        raise ValueError(f"block_size must be two positive ints (block_n, block_k), got {tuple(block_size)!r}")
     return int(block_size[0]), int(block_size[1])
 
 
@@ -119,7 +135,7 @@ def quantize_blockwise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise FP8: ``q`` [N, K] e4m3fn and ``scale_inv`` [ceil(N/bn), ceil(K/bk)] float32 dequant multipliers."""
     _check_2d(w)
-    block_size = _check_block_size(block_size)
+    block_size = check_block_size(block_size)
     x = round_to_bf16(w)
     check_finite(x)
     scale_inv = scale_from_amax(_block_amax(x, block_size), scale_format)
@@ -148,7 +164,7 @@ def quantize_blockwise_into(
 
     Everything is validated and computed before the first write, so a rejected input leaves both outputs untouched.
     """
-    block_size = _check_block_size(block_size)
+    block_size = check_block_size(block_size)
     _check_out(q_out, tuple(w.shape), FP8_DTYPE, "q_out")
     _check_out(scale_inv_out, blockwise_scale_shape(tuple(w.shape), block_size), torch.float32, "scale_inv_out")
     q, scale_inv = quantize_blockwise(w.to(q_out.device), block_size, scale_format)
@@ -161,7 +177,7 @@ def dequantize_blockwise(
 ) -> torch.Tensor:
     """float32 ``q * scale_inv`` with the block scale broadcast over its 128x128 block."""
     _check_2d(q, "q")
-    block_size = _check_block_size(block_size)
+    block_size = check_block_size(block_size)
     _check_out(scale_inv, blockwise_scale_shape(tuple(q.shape), block_size), torch.float32, "scale_inv")
     return q.float() * expand_block_scale(scale_inv, tuple(q.shape), block_size)
 

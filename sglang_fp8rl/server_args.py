@@ -101,55 +101,61 @@ def get_options() -> Fp8rlOptions:
     return Fp8rlOptions.from_json(text) if text else Fp8rlOptions()
 
 
+_DEFAULTS = Fp8rlOptions()
+
+
+def _flag(field: str) -> str:
+    return "--fp8rl-" + field.replace("_", "-")
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Add the `--fp8rl-*` group to an SGLang argument parser (idempotent)."""
+    """Add the `--fp8rl-*` group to an SGLang argument parser (idempotent); defaults come from Fp8rlOptions."""
     if getattr(parser, _PARSER_MARK, False):
         return
     setattr(parser, _PARSER_MARK, True)
     group = parser.add_argument_group("sglang-fp8rl (with --quantization fp8_online_blockwise)")
+    d = _DEFAULTS
     group.add_argument(
-        "--fp8rl-bf16-first-layers", type=int, default=0, metavar="N",
+        _flag("bf16_first_layers"), type=int, default=d.bf16_first_layers, metavar="N",
         help="Keep the linear layers of the first N decoder layers in BF16.",
     )
     group.add_argument(
-        "--fp8rl-bf16-last-layers", type=int, default=0, metavar="N",
+        _flag("bf16_last_layers"), type=int, default=d.bf16_last_layers, metavar="N",
         help="Keep the linear layers of the last N decoder layers in BF16.",
     )
     group.add_argument(
-        "--fp8rl-ignore", action="append", default=[], metavar="REGEX",
+        _flag("ignore"), action="append", default=None, metavar="REGEX",
         help="Keep linear layers whose module name matches REGEX (re.search) in BF16. Repeatable.",
     )
     group.add_argument(
-        "--fp8rl-scale-format", choices=SCALE_FORMATS, default="fp32",
+        _flag("scale_format"), choices=SCALE_FORMATS, default=d.scale_format,
         help="Weight scales: exact amax/448 in float32, or rounded up to a power of two (pow2).",
     )
     group.add_argument(
-        "--fp8rl-gemm-select", choices=GEMM_SELECT_MODES, default="auto",
+        _flag("gemm_select"), choices=GEMM_SELECT_MODES, default=d.gemm_select,
         help="Block-FP8 GEMM per (M bucket, N, K): auto = measure missing shapes at load (cached on disk), "
              "cache = use cached measurements only, off = always SGLang's own dispatch.",
     )
     group.add_argument(
-        "--fp8rl-gemm-tune-budget-s", type=float, default=DEFAULT_GEMM_TUNE_BUDGET_S, metavar="S",
+        _flag("gemm_tune_budget_s"), type=float, default=d.gemm_tune_budget_s, metavar="S",
         help="Wall-time budget of the load-time GEMM measurement (auto mode); unmeasured shapes use SGLang's GEMM.",
     )
     group.add_argument(
-        "--fp8rl-jit-workers", type=int, default=AUTO_JIT_WORKERS, metavar="N",
+        _flag("jit_workers"), type=int, default=d.jit_workers, metavar="N",
         help="Processes that compile DeepGEMM's kernels for the CUDA-graph sizes in parallel before capture "
-             f"({AUTO_JIT_WORKERS} = by CPU count, 0 = none: SGLang compiles them one by one during capture).",
+             f"({AUTO_JIT_WORKERS} = by CPU count and free GPU memory, 0 = none: SGLang compiles them one by one "
+             "during capture).",
     )
 
 
 def options_from_namespace(args: argparse.Namespace) -> Fp8rlOptions:
-    """Build validated options from a parsed namespace."""
-    return Fp8rlOptions(
-        bf16_first_layers=getattr(args, "fp8rl_bf16_first_layers", 0),
-        bf16_last_layers=getattr(args, "fp8rl_bf16_last_layers", 0),
-        ignore=tuple(getattr(args, "fp8rl_ignore", None) or ()),
-        scale_format=getattr(args, "fp8rl_scale_format", "fp32"),
-        gemm_select=getattr(args, "fp8rl_gemm_select", "auto"),
-        gemm_tune_budget_s=getattr(args, "fp8rl_gemm_tune_budget_s", DEFAULT_GEMM_TUNE_BUDGET_S),
-        jit_workers=getattr(args, "fp8rl_jit_workers", AUTO_JIT_WORKERS),
-    )
+    """Build validated options from a parsed namespace (a missing attribute takes the dataclass default)."""
+    values = {}
+    for field in dataclasses.fields(Fp8rlOptions):
+        value = getattr(args, "fp8rl_" + field.name, None)
+        if value is not None:
+            values[field.name] = tuple(value) if field.name == "ignore" else value
+    return Fp8rlOptions(**values)
 
 
 def install_server_args_hooks() -> None:

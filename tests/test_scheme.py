@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sglang_fp8rl.layers.scheme import (
     DEFAULT_BLOCK_SIZE,
@@ -38,10 +39,18 @@ def schemes(model, tp):
     return {r["module"]: r["scheme"] for r in decision_table(model, [tp])}
 
 
-def test_block_size_matches_quant():
-    from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE as QUANT_BLOCK
+@pytest.mark.parametrize("bad", [(128,), (0, 128), (128, -1), (True, 128), (128.5, 128), (128, 128, 1)])
+def test_one_block_size_rule(bad):
+    """The scheme choice and the quantizer refuse the same block sizes, with the same message."""
+    from sglang_fp8rl import quant
 
-    assert tuple(DEFAULT_BLOCK_SIZE) == tuple(QUANT_BLOCK) == (128, 128)
+    w = torch.zeros(128, 128)
+    with pytest.raises(ValueError, match="block_size must be two positive ints") as from_quant:
+        quant.quantize_blockwise(w, bad)
+    with pytest.raises(ValueError, match="block_size must be two positive ints") as from_scheme:
+        choose_scheme(128, [128], block_size=bad)
+    assert str(from_quant.value) == str(from_scheme.value)
+    assert DEFAULT_BLOCK_SIZE == quant.DEFAULT_BLOCK_SIZE == (128, 128)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

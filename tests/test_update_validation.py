@@ -53,8 +53,8 @@ def good():
 def test_clean_request_is_one_dry_run_call_and_one_sync(monkeypatch):
     model = TinyModel()
     syncs = []
-    real = U._ends_finite_in_bf16
-    monkeypatch.setattr(U, "_ends_finite_in_bf16", lambda ends: syncs.append(ends.numel()) or real(ends))
+    real = U.extremes_finite_in_bf16
+    monkeypatch.setattr(U, "extremes_finite_in_bf16", lambda ends: syncs.append(ends.numel()) or real(ends))
     stats = U.UpdateStats(index=1, ok=False, message="")
     to_load = U.validate_update(model, model.load_weights, good(), stats)
     assert [n for n, _ in to_load] == ["a", "b"] and stats.bf16_params_written == 2

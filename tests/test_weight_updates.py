@@ -182,7 +182,8 @@ def test_generation_refused_while_inconsistent(monkeypatch):
     """While the engine is inconsistent, a generate request is finished with an error (Req.set_finish_with_abort,
     SGLang's own abort path) and a health-check request gets no answer; when consistent, requests pass untouched.
     The Scheduler and Req need a CUDA/TP world, so a queue and a request stand-in are used here."""
-    from sglang_fp8rl.weight_sync import engine_hooks, update
+    from sglang_fp8rl.hooks import scheduler as scheduler_hooks
+    from sglang_fp8rl.weight_sync import update
 
     class Recv:
         def __init__(self, rid):
@@ -202,7 +203,7 @@ def test_generation_refused_while_inconsistent(monkeypatch):
     def original(self, recv):
         self.waiting_queue.append(QueuedReq(recv.rid))
 
-    handle = engine_hooks._wrap_generate(original)
+    handle = scheduler_hooks.wrap_generate(original)
     sched = SchedulerLike()
     handle(sched, Recv("ok-1"))
     assert sched.waiting_queue[-1].abort_message is None

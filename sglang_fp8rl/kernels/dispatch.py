@@ -104,14 +104,10 @@ def check_nonfinite_flag(flag: torch.Tensor, inputs: Mapping[str, torch.Tensor] 
 
 def _check_finite_before_write(w: torch.Tensor) -> None:
     """One read-only reduction; the reference check runs (to name the position) only when it fails."""
-    lo, hi = torch.aminmax(w)
-    # rounding is monotone, so BF16(min) and BF16(max) bound BF16(w); an FP32 value past the BF16 range becomes
-    # Inf here exactly as in the reference, which checks after rounding
-    ends = torch.stack((lo, hi)).to(torch.bfloat16)
-    if bool(torch.isfinite(ends).all()):
+    if quant.extremes_finite_in_bf16(quant.extremes(w)):
         return
     quant.check_finite(quant.round_to_bf16(w))
-    raise ValueError(f"w holds a NaN/Inf (min {lo.item()}, max {hi.item()}): NaN/Inf cannot be quantized to FP8")
+    raise ValueError("w holds a NaN/Inf: NaN/Inf cannot be quantized to FP8")
 
 
 def _prepare_input(w: torch.Tensor, device: torch.device, flag: torch.Tensor | None) -> torch.Tensor:

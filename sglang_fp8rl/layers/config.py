@@ -10,8 +10,14 @@ import re
 from typing import Any, Optional
 
 import torch
+from sglang.srt.layers.linear import LinearBase, ReplicatedLinear
+from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
 from sglang.srt.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+from sglang.srt.server_args import get_global_server_args
 
+from sglang_fp8rl.layers.linear import Fp8OnlineBlockwiseLinearMethod
+from sglang_fp8rl.layers.moe import Fp8OnlineBlockwiseMoEMethod
 from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision
 from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE
 from sglang_fp8rl.server_args import QUANTIZATION_NAME, Fp8rlOptions, get_options
@@ -87,8 +93,6 @@ def layer_index(prefix: str) -> Optional[int]:
 
 def num_hidden_layers_of_served_model() -> int:
     """``num_hidden_layers`` of the model this process serves (read from its config.json)."""
-    from sglang.srt.server_args import get_global_server_args
-
     path = os.path.join(get_global_server_args().model_path, "config.json")
     try:
         with open(path) as f:
@@ -163,7 +167,7 @@ class Fp8OnlineBlockwiseConfig(QuantizationConfig):
         reject_quantized_checkpoint(config)
 
     @classmethod
-    def override_quantization_method(cls, hf_quant_cfg, user_quant) -> Optional[str]:
+    def override_quantization_method(cls, hf_quant_cfg: Any, user_quant: Optional[str]) -> Optional[str]:
         if user_quant == NAME and hf_quant_cfg:
             reject_quantized_checkpoint(hf_quant_cfg)
         return None
@@ -177,12 +181,6 @@ class Fp8OnlineBlockwiseConfig(QuantizationConfig):
         return self._num_layers
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
-        from sglang.srt.layers.linear import LinearBase, ReplicatedLinear
-        from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
-        from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
-
-        from sglang_fp8rl.layers.linear import Fp8OnlineBlockwiseLinearMethod
-
         if isinstance(layer, LinearBase):
             # replicated linears are routers / small gates: BF16 by type, whatever their name
             reason = "replicated linear (router/gate)" if isinstance(layer, ReplicatedLinear) else None
@@ -192,8 +190,6 @@ class Fp8OnlineBlockwiseConfig(QuantizationConfig):
                 return UnquantizedLinearMethod()
             return Fp8OnlineBlockwiseLinearMethod(self, prefix)
         if isinstance(layer, FusedMoE):
-            from sglang_fp8rl.layers.moe import Fp8OnlineBlockwiseMoEMethod
-
             reason = bf16_reason(prefix, self.options, self._layers_total())
             if reason is not None:
                 self.report.record(prefix, SchemeDecision(Scheme.BF16, reason))
@@ -201,3 +197,12 @@ class Fp8OnlineBlockwiseConfig(QuantizationConfig):
             return Fp8OnlineBlockwiseMoEMethod(self, prefix)
         # embeddings, lm_head, norms, attention (KV cache) stay in the model dtype
         return None
+
+
+def scheme_report(model: torch.nn.Module) -> Optional[SchemeReport]:
+    """The scheme report of a model quantized by this package, or None."""
+    for module in model.modules():
+        config = getattr(getattr(module, "quant_method", None), "quant_config", None)
+        if isinstance(config, Fp8OnlineBlockwiseConfig):
+            return config.report
+    return None

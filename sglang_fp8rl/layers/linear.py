@@ -13,11 +13,8 @@ Both are allocated once in ``create_weights`` and only ever written in place (``
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
-import hashlib
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -30,8 +27,16 @@ from sglang.srt.layers.parameter import (
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 
 from sglang_fp8rl.kernels import gemm_select
-from sglang_fp8rl.kernels.dispatch import new_nonfinite_flag, quantize_blockwise_into, quantize_per_channel_into
-from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision, choose_scheme
+from sglang_fp8rl.layers.fp8_storage import (
+    CHECK_ATTR,
+    Fp8LayerState,
+    dummy_bf16,
+    layer_state,
+    refuse_scale,
+    write_rows,
+)
+from sglang_fp8rl.layers.placement import ShardId, ShardPlacement, placement_for_layer
+from sglang_fp8rl.layers.scheme import Scheme, choose_scheme
 from sglang_fp8rl.quant import (
     FP8_DTYPE,
     blockwise_scale_shape,
@@ -40,37 +45,16 @@ from sglang_fp8rl.quant import (
     dequantize_per_channel,
     quantize_activation_groups,
 )
-from sglang_fp8rl.weight_sync.sharding import ShardPlacement, placement_for_layer, scale_rows
 
 if TYPE_CHECKING:
     from sglang_fp8rl.layers.config import Fp8OnlineBlockwiseConfig
 
-# attribute of our FP8 parameters holding a loader twin that validates an incoming tensor without writing
-# (used by the weight-update dry run); it returns the owning layer's prefix
-CHECK_ATTR = "fp8rl_check"
-
-# SGLang's dummy loader draws weights from U(-1e-3, 1e-3); never-loaded layers get the same distribution in BF16.
-DUMMY_WEIGHT_RANGE = 1e-3
-
 
 @dataclasses.dataclass
-class LayerState:
-    """What this package knows about one quantized linear layer (kept on the layer as ``_fp8rl``)."""
+class LayerState(Fp8LayerState):
+    """State of one quantized linear layer: rows written so far (0 means never loaded: dummy fill)."""
 
-    prefix: str
-    decision: SchemeDecision
-    block_size: tuple[int, int]
-    scale_format: str
     rows_loaded: int = 0
-
-    @property
-    def is_block(self) -> bool:
-        return self.decision.scheme is Scheme.BLOCK
-
-
-def layer_state(layer: torch.nn.Module) -> Optional[LayerState]:
-    """The layer's state if it is quantized by this package, else None."""
-    return getattr(layer, "_fp8rl", None)
 
 
 def shard_names(layer: torch.nn.Module, n_shards: int) -> list[str]:
@@ -82,52 +66,30 @@ def shard_names(layer: torch.nn.Module, n_shards: int) -> list[str]:
     return [str(i) for i in range(n_shards)]
 
 
+def block_shapes(model: torch.nn.Module, device_type: str = "cuda") -> list[tuple[int, int]]:
+    """(N, K) of every blockwise FP8 linear of ``model`` on this rank whose weight lives on ``device_type``."""
+    shapes = set()
+    for module in model.modules():
+        state = layer_state(module)
+        if isinstance(state, LayerState) and state.is_block and module.weight.device.type == device_type:
+            shapes.add((int(module.weight.shape[0]), int(module.weight.shape[1])))
+    return sorted(shapes)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# writing quantized rows
-
-# set while a validated weight update is applied: the quantizers then skip their own NaN/Inf pre-read (the update
-# already checked every tensor) and raise a device flag instead, checked once per update
-_PREVALIDATED_FLAG: contextvars.ContextVar[Optional[torch.Tensor]] = contextvars.ContextVar(
-    "fp8rl_prevalidated_flag", default=None
-)
-
-
-@contextlib.contextmanager
-def prevalidated_writes(device: torch.device):
-    """Inside this block, quantizer calls on ``device`` (CUDA) use one shared non-finite flag instead of a pre-read."""
-    flag = new_nonfinite_flag(device) if device.type == "cuda" else None
-    token = _PREVALIDATED_FLAG.set(flag)
-    try:
-        yield flag
-    finally:
-        _PREVALIDATED_FLAG.reset(token)
-
-
-def _flag_for(device: torch.device) -> Optional[torch.Tensor]:
-    flag = _PREVALIDATED_FLAG.get()
-    return flag if flag is not None and flag.device == device else None
+# loading
 
 
 def quantize_rows_into_layer(layer: torch.nn.Module, w: torch.Tensor, dst_rows: slice) -> None:
     """Quantize ``w`` (rows ``dst_rows`` of the local weight, full K_local) straight into the FP8 weight and scale."""
-    state = layer._fp8rl
-    weight = layer.weight.data
-    w = w.to(torch.bfloat16).to(weight.device)  # round on the source device: half the bytes to move
-    flag = _flag_for(weight.device)
-    if state.is_block:
-        rows = scale_rows(dst_rows, state.block_size[0], weight.shape[0])
-        quantize_blockwise_into(
-            w, weight[dst_rows], layer.weight_scale_inv.data[rows], state.block_size, state.scale_format,
-            nonfinite_flag=flag,
-        )
-    else:
-        quantize_per_channel_into(
-            w, weight[dst_rows], layer.weight_scale.data[dst_rows], state.scale_format, nonfinite_flag=flag
-        )
+    state: LayerState = layer._fp8rl
+    scale = layer.weight_scale_inv if state.is_block else layer.weight_scale
+    write_rows(state, w, layer.weight.data, scale.data, dst_rows)
     state.rows_loaded += dst_rows.stop - dst_rows.start
 
 
-def check_incoming_shape(layer: torch.nn.Module, placement: ShardPlacement, loaded: torch.Tensor, shard_id) -> None:
+def check_incoming_shape(layer: torch.nn.Module, placement: ShardPlacement, loaded: torch.Tensor,
+                         shard_id: ShardId) -> None:
     """Raise ValueError (naming the layer and shard) if an incoming tensor has the wrong shape."""
     if tuple(loaded.shape) != tuple(placement.full_shape):
         shard = "" if shard_id is None else f" shard {shard_id!r}"
@@ -138,13 +100,14 @@ def check_incoming_shape(layer: torch.nn.Module, placement: ShardPlacement, load
 
 
 def check_weight_shard(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
-                       loaded_shard_id=None) -> str:
+                       loaded_shard_id: ShardId = None) -> str:
     """Everything :func:`load_weight_shard` checks, without writing; returns the layer's prefix."""
     placement_for_incoming(layer, loaded_weight, loaded_shard_id)
     return layer._fp8rl.prefix
 
 
-def placement_for_incoming(layer: torch.nn.Module, loaded_weight: torch.Tensor, loaded_shard_id) -> ShardPlacement:
+def placement_for_incoming(layer: torch.nn.Module, loaded_weight: torch.Tensor,
+                           loaded_shard_id: ShardId) -> ShardPlacement:
     """This rank's placement of an incoming tensor, after checking its dtype and full shape."""
     if not loaded_weight.is_floating_point() or loaded_weight.dtype == FP8_DTYPE:
         raise ValueError(
@@ -157,31 +120,14 @@ def placement_for_incoming(layer: torch.nn.Module, loaded_weight: torch.Tensor, 
 
 
 def load_weight_shard(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
-                      loaded_shard_id=None) -> None:
+                      loaded_shard_id: ShardId = None) -> None:
     """Weight loader of our FP8 ``weight``: take this rank's slice of a full HF tensor and quantize it in place.
 
     Placement (TP narrowing, KV-head replication, q/k/v and gate/up offsets) comes from
-    :mod:`sglang_fp8rl.weight_sync.sharding`, whose helpers are tested against SGLang's own loaders.
+    :mod:`sglang_fp8rl.layers.placement`, whose helpers are tested against SGLang's own loaders.
     """
     placement = placement_for_incoming(layer, loaded_weight, loaded_shard_id)
     quantize_rows_into_layer(layer, loaded_weight[placement.src_rows, placement.src_cols], placement.dst_rows)
-
-
-def refuse_scale(prefix: str, name: str, param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args,
-                 **kwargs) -> None:
-    """Weight loader of our scale parameters (dense and MoE): scales are computed on the engine, never loaded."""
-    raise ValueError(
-        f"{prefix}.{name}: fp8_online_blockwise computes FP8 scales from the BF16 weights; "
-        "the checkpoint or update must not contain scale tensors"
-    )
-
-
-def dummy_bf16(shape: tuple[int, ...], device: torch.device, key: str) -> torch.Tensor:
-    """Deterministic U(-1e-3, 1e-3) BF16 values for a never-loaded weight, seeded by its name."""
-    seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
-    generator = torch.Generator(device=device).manual_seed(seed)
-    w = torch.empty(shape, dtype=torch.bfloat16, device=device)
-    return w.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
 
 
 def fill_dummy(layer: torch.nn.Module) -> None:
@@ -216,7 +162,8 @@ class Fp8OnlineBlockwiseLinearMethod(LinearMethodBase):
         self.quant_config = quant_config
         self.prefix = prefix
         self._block_linear = None  # SGLang's block-FP8 GEMM, resolved on the first CUDA call
-        self._select_gemm = gemm_select.mode() != "off"  # per-shape GEMM choice, measured at load (prepare_model)
+        # per-shape GEMM choice, measured at load (gemm_select.prepare_model)
+        self._select_gemm = quant_config.options.gemm_select != "off"
 
     def create_weights(
         self,

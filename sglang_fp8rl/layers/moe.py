@@ -22,10 +22,13 @@ import functools
 from typing import TYPE_CHECKING, Optional
 
 import torch
+from sglang.srt.layers.moe import MoeRunner, MoeRunnerBackend, MoeRunnerConfig
+from sglang.srt.layers.moe.moe_runner.triton import TritonMoeQuantInfo
+from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput, StandardDispatchOutput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
+from sglang.srt.server_args import get_global_server_args
 
-from sglang_fp8rl.kernels.dispatch import quantize_blockwise_into, quantize_per_channel_into
-from sglang_fp8rl.layers.linear import CHECK_ATTR, dummy_bf16, refuse_scale
+from sglang_fp8rl.layers.fp8_storage import CHECK_ATTR, Fp8LayerState, dummy_bf16, refuse_scale, write_rows
 from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision, choose_scheme
 from sglang_fp8rl.quant import (
     FP8_DTYPE,
@@ -43,21 +46,13 @@ SHARDS = ("w1", "w3", "w2")  # gate, up, down (SGLang's FusedMoE shard ids)
 
 
 @dataclasses.dataclass
-class MoeLayerState:
-    """What this package knows about one quantized FusedMoE layer (kept on the layer as ``_fp8rl``)."""
+class MoeLayerState(Fp8LayerState):
+    """State of one quantized FusedMoE layer: its sizes on this rank and the expert shards written so far."""
 
-    prefix: str
-    decision: SchemeDecision
-    block_size: tuple[int, int]
-    scale_format: str
-    num_local_experts: int
-    hidden_size: int
-    intermediate_local: int
+    num_local_experts: int = 0
+    hidden_size: int = 0
+    intermediate_local: int = 0
     loaded: set[tuple[int, str]] = dataclasses.field(default_factory=set)  # (local expert, shard id) written
-
-    @property
-    def is_block(self) -> bool:
-        return self.decision.scheme is Scheme.BLOCK
 
 
 def choose_moe_scheme(hidden: int, intermediate_local: int, block_size: tuple[int, int]) -> SchemeDecision:
@@ -138,15 +133,11 @@ def quantize_into_expert(layer: torch.nn.Module, w: torch.Tensor, local: int, sh
     state: MoeLayerState = layer._fp8rl
     is_w2 = shard_id == "w2"
     weight = (layer.w2_weight if is_w2 else layer.w13_weight).data[local]
-    w = w.to(torch.bfloat16).to(weight.device)  # round on the source device: half the bytes to move
     if state.is_block:
         scale = (layer.w2_weight_scale_inv if is_w2 else layer.w13_weight_scale_inv).data[local]
-        block_n = state.block_size[0]
-        rows = slice(dst_rows.start // block_n, ceil_div(dst_rows.stop, block_n))
-        quantize_blockwise_into(w, weight[dst_rows], scale[rows], state.block_size, state.scale_format)
     else:
         scale = (layer.w2_weight_scale if is_w2 else layer.w13_weight_scale).data[local, :, 0]
-        quantize_per_channel_into(w, weight[dst_rows], scale[dst_rows], state.scale_format)
+    write_rows(state, w, weight, scale, dst_rows)
     state.loaded.add((local, shard_id))
 
 
@@ -214,8 +205,6 @@ def reference_moe(layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.T
 
 def refuse_expert_relocation(prefix: str) -> None:
     """Our loader writes each expert once, at its local index: EPLB's redundant/relocated copies would stay empty."""
-    from sglang.srt.server_args import get_global_server_args
-
     args = get_global_server_args()
     if args.enable_eplb or args.ep_num_redundant_experts or args.init_expert_location != "trivial":
         raise ValueError(
@@ -278,15 +267,11 @@ class Fp8OnlineBlockwiseMoEMethod(FusedMoEMethodBase):
                     self.quant_config.report.record_dummy_fill(self.prefix)
         self.quant_config.report.mark_processed(self.prefix)
 
-    def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
-        from sglang.srt.layers.moe import MoeRunner, MoeRunnerBackend
-
+    def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config: MoeRunnerConfig) -> None:
         self.moe_runner_config = moe_runner_config
         self.runner = MoeRunner(MoeRunnerBackend.TRITON, moe_runner_config)
 
-    def get_triton_quant_info(self, layer: torch.nn.Module):
-        from sglang.srt.layers.moe.moe_runner.triton import TritonMoeQuantInfo
-
+    def get_triton_quant_info(self, layer: torch.nn.Module) -> TritonMoeQuantInfo:
         if layer._fp8rl.is_block:
             return TritonMoeQuantInfo(
                 w13_weight=layer.w13_weight, w2_weight=layer.w2_weight, use_fp8_w8a8=True,
@@ -298,15 +283,13 @@ class Fp8OnlineBlockwiseMoEMethod(FusedMoEMethodBase):
             w13_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale,
         )
 
-    def apply(self, layer: torch.nn.Module, dispatch_output):
+    def apply(self, layer: torch.nn.Module, dispatch_output: StandardDispatchOutput) -> StandardCombineInput:
         x = dispatch_output.hidden_states
         if x.is_cuda:
             return self.runner.run(dispatch_output, self.get_triton_quant_info(layer))
         return self._apply_reference(layer, dispatch_output)
 
-    def _apply_reference(self, layer: torch.nn.Module, dispatch_output):
-        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
-
+    def _apply_reference(self, layer: torch.nn.Module, dispatch_output: StandardDispatchOutput) -> StandardCombineInput:
         config = self.moe_runner_config
         if config.activation != "silu" or config.apply_router_weight_on_input:
             raise NotImplementedError(f"{self.prefix}: the CPU reference MoE supports silu and router weights "

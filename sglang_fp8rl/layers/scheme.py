@@ -16,14 +16,12 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sglang_fp8rl.weight_sync.sharding import (
+from sglang_fp8rl.layers.placement import (
     exact_divide,
     merged_output_partition_sizes,
     qkv_output_partition_sizes,
 )
-
-# Same value as sglang_fp8rl.quant.DEFAULT_BLOCK_SIZE (a test checks); not imported, to keep this module torch-free.
-DEFAULT_BLOCK_SIZE: tuple[int, int] = (128, 128)
+from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE, check_block_size
 
 # logical output shards of each module of a dense decoder layer, in local row order
 SHARD_NAMES: dict[str, tuple[str, ...]] = {
@@ -50,12 +48,6 @@ class SchemeDecision:
     reason: str
 
 
-def _check_block_size(block_size: Sequence[int]) -> tuple[int, int]:
-    if len(block_size) != 2 or min(block_size) < 1:
-        raise ValueError(f"block_size must be two positive ints (block_n, block_k), got {tuple(block_size)!r}")
-    return int(block_size[0]), int(block_size[1])
-
-
 def choose_scheme(
     k_local: int,
     output_partition_sizes: Sequence[int],
@@ -63,7 +55,7 @@ def choose_scheme(
     shard_names: Sequence[str] | None = None,
 ) -> SchemeDecision:
     """BLOCK if K_local and every local logical output shard are multiples of the block, else CHANNEL with reasons."""
-    block_n, block_k = _check_block_size(block_size)
+    block_n, block_k = check_block_size(block_size)
     if k_local < 1 or not output_partition_sizes or min(output_partition_sizes) < 1:
         raise ValueError(f"need k_local >= 1 and positive output shards, got {k_local}, {list(output_partition_sizes)}")
     if shard_names is not None and len(shard_names) != len(output_partition_sizes):

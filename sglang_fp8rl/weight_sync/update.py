@@ -29,10 +29,11 @@ import time
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
+from sglang.srt.model_loader.weight_utils import default_weight_loader
 
 from sglang_fp8rl.kernels.dispatch import check_nonfinite_flag
-from sglang_fp8rl.layers.linear import CHECK_ATTR, layer_state, prevalidated_writes
-from sglang_fp8rl.quant import FP8_DTYPE
+from sglang_fp8rl.layers.fp8_storage import CHECK_ATTR, layer_state, prevalidated_writes
+from sglang_fp8rl.quant import FP8_DTYPE, extremes, extremes_finite_in_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -126,22 +127,10 @@ def check_dtype(name: str, tensor: torch.Tensor) -> None:
         raise UpdateRejected(f"{name}: dtype {tensor.dtype} is not accepted (send bf16, fp16 or fp32 weights)")
 
 
-def _extremes(tensor: torch.Tensor) -> torch.Tensor:
-    """[min, max] as float32 (one read-only reduction): NaN propagates into both, +-inf shows up in one of them."""
-    low, high = torch.aminmax(tensor)
-    return torch.stack((low, high)).float()
-
-
-def _ends_finite_in_bf16(ends: torch.Tensor) -> bool:
-    # the engine holds BF16 (and quantizes from BF16): an FP32 value past BF16's range is Inf there, so check the
-    # rounded extremes (rounding is monotone, so they bound every rounded element)
-    return bool(torch.isfinite(ends.to(torch.bfloat16)).all())
-
-
 def check_tensor(name: str, tensor: torch.Tensor) -> None:
     """Reject bad dtypes and values that are not finite in BF16, naming the first bad index."""
     check_dtype(name, tensor)
-    if tensor.numel() and not _ends_finite_in_bf16(_extremes(tensor)):
+    if tensor.numel() and not extremes_finite_in_bf16(extremes(tensor)):
         bad = (~torch.isfinite(tensor.to(torch.bfloat16))).nonzero()[0].tolist()
         raise UpdateRejected(f"{name}: contains NaN/Inf in BF16 (first at index {bad}); nothing was written")
 
@@ -153,8 +142,8 @@ def check_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     ends_by_device: dict[torch.device, list[torch.Tensor]] = {}
     for _, tensor in named_tensors:
         if tensor.numel():
-            ends_by_device.setdefault(tensor.device, []).append(_extremes(tensor))
-    if all(_ends_finite_in_bf16(torch.cat(ends)) for ends in ends_by_device.values()):
+            ends_by_device.setdefault(tensor.device, []).append(extremes(tensor))
+    if all(extremes_finite_in_bf16(torch.cat(ends)) for ends in ends_by_device.values()):
         return
     for name, tensor in named_tensors:
         check_tensor(name, tensor)
@@ -223,8 +212,6 @@ class DryRunTarget:
 @contextlib.contextmanager
 def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunTarget]:
     """Replace every parameter's loader by a checker that records into ``target.record`` but never writes."""
-    from sglang.srt.model_loader.weight_utils import default_weight_loader
-
     target = DryRunTarget()
     saved: dict[int, tuple[torch.nn.Parameter, Optional[Callable]]] = {}
 

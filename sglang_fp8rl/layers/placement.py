@@ -3,7 +3,7 @@
 An update tensor such as ``q_proj`` or ``up_proj`` arrives whole on every rank. SGLang's own loaders narrow it and
 copy the slice into the rank's fused local parameter. The quantizer must do the same narrowing, but straight from the
 incoming tensor into FP8 rows, so the rules are reproduced here as pure functions. Each is checked in
-``tests/test_sharding.py`` against SGLang's real loaders for TP 1..8. Line references are to
+``tests/test_placement.py`` against SGLang's real loaders for TP 1..8. Line references are to
 ``sglang/srt/layers/linear.py`` (``linear.py``) and ``sglang/srt/layers/parameter.py`` (``parameter.py``) of the
 0.5.17 wheel.
 
@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional, Union
 
 QKV_SHARD_IDS = ("q", "k", "v")
+# SGLang's loaded_shard_id: "q"/"k"/"v" (QKV), an int index (merged gate/up), None (unfused)
+ShardId = Optional[Union[str, int]]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -218,7 +220,7 @@ def _check_fits(layer: Any, p: ShardPlacement, n_local: int, k_local: int) -> No
         )
 
 
-def placement_for_layer(layer: Any, shard_id: str | int | None = None) -> ShardPlacement:
+def placement_for_layer(layer: Any, shard_id: ShardId = None) -> ShardPlacement:
     """Placement of an incoming full tensor for one of SGLang's linear layers, read from the layer's own attributes."""
     from sglang.srt.layers import linear as sl  # lazy: the rest of this module needs no SGLang (or torch)
 

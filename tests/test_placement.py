@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_fp8rl.weight_sync.sharding import (
+from sglang_fp8rl.layers.placement import (
     ShardPlacement,
     check_full_shape,
     column_placement,

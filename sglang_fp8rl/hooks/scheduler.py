@@ -1,0 +1,76 @@
+"""``Scheduler`` patches: our telemetry in ``/get_server_info``, and no serving while the weights are a mix.
+
+While an update failed after writing started (the weights are a mix of two policies), every generation request is
+finished with an error and health-check requests get no answer (so ``/health`` and ``/health_generate`` report 503)
+until a complete update succeeds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+
+from sglang_fp8rl.layers.config import scheme_report
+from sglang_fp8rl.weight_sync.update import engine_state, is_attached, last_update_stats
+
+
+def telemetry(model: Optional[torch.nn.Module]) -> dict[str, Any]:
+    """Our state for /get_server_info: update count, last update, consistency, per-scheme layer counts."""
+    state = engine_state()
+    report = scheme_report(model) if model is not None else None
+    fp8_ptrs = [p.data_ptr() for p in model.parameters() if p.dtype == torch.float8_e4m3fn] if model else []
+    return {
+        "fp8_param_ptr_digest": hash(tuple(fp8_ptrs)),
+        "updates": state.updates,
+        "consistent": state.consistent,
+        "inconsistent_reason": state.inconsistent_reason,
+        "last_update": last_update_stats(),
+        "schemes": report.as_dict() if report is not None else None,
+    }
+
+
+def wrap_internal_state(original: Callable) -> Callable:
+    """Scheduler.get_internal_state, plus our telemetry under "fp8rl"."""
+    def get_internal_state(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        model = getattr(getattr(getattr(self, "tp_worker", None), "model_runner", None), "model", None)
+        if model is not None and is_attached(model):
+            # 0.5.17 returns GetInternalStateReqOutput(internal_state=dict); older versions a plain dict
+            state = result.internal_state if hasattr(result, "internal_state") else result
+            state["fp8rl"] = telemetry(model)
+        return result
+
+    return get_internal_state
+
+
+def refusal_message() -> str:
+    """What a generation request gets while the weights are a mix of two updates."""
+    return (
+        "[fp8rl] refusing to serve: the engine holds a partially applied weight update "
+        f"({engine_state().inconsistent_reason}); send a complete weight update first"
+    )
+
+
+def abort_queued_request(queue: list, rid: str, message: str) -> bool:
+    """Finish a just-queued request with an error instead of running it (SGLang's own abort path)."""
+    for req in reversed(queue):
+        if req.rid == rid:
+            req.set_finish_with_abort(message)
+            return True
+    return False
+
+
+def wrap_generate(original: Callable) -> Callable:
+    """Scheduler.handle_generate_request, refusing while the engine is inconsistent."""
+    def handle_generate_request(self, recv_req):
+        if engine_state().consistent:
+            return original(self, recv_req)
+        if str(recv_req.rid).startswith(HEALTH_CHECK_RID_PREFIX):
+            return None  # no answer: /health and /health_generate time out and report 503
+        result = original(self, recv_req)
+        abort_queued_request(self.waiting_queue, recv_req.rid, refusal_message())
+        return result
+
+    return handle_generate_request

@@ -1,0 +1,116 @@
+"""The one FP8 writer of dense and MoE layers: rows of an FP8 weight and their scales, written in place.
+
+Every FP8 write of this package (initial load, every weight update, dummy fill) goes through :func:`write_rows`:
+BF16 rounding on the source device, the block-scale rows a write covers (checked: a 128-row block never straddles two
+shards), the Triton quantizer on CUDA (the torch reference elsewhere), and the non-finite mode of a validated update.
+
+Storage conventions (SGLang's): ``weight_scale_inv`` is the blockwise *dequantization multiplier*
+([ceil(N/128), ceil(K/128)] float32, ``w ~= q * scale_inv``); ``weight_scale`` is the per-channel one ([N] float32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import hashlib
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+
+from sglang_fp8rl.kernels.dispatch import new_nonfinite_flag, quantize_blockwise_into, quantize_per_channel_into
+from sglang_fp8rl.layers.placement import scale_rows
+from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision
+
+# attribute of our FP8 parameters holding a loader twin that validates an incoming tensor without writing
+# (used by the weight-update dry run); it returns the owning layer's prefix
+CHECK_ATTR = "fp8rl_check"
+# attribute of a module quantized by this package that holds its Fp8LayerState
+STATE_ATTR = "_fp8rl"
+
+# SGLang's dummy loader draws weights from U(-1e-3, 1e-3); never-loaded layers get the same distribution in BF16.
+DUMMY_WEIGHT_RANGE = 1e-3
+
+
+@dataclasses.dataclass
+class Fp8LayerState:
+    """What this package knows about one quantized layer (dense linear or FusedMoE), kept on it as ``_fp8rl``."""
+
+    prefix: str
+    decision: SchemeDecision
+    block_size: tuple[int, int]
+    scale_format: str
+
+    @property
+    def is_block(self) -> bool:
+        """Whether the layer is stored as 128x128 blocks (else one scale per output row)."""
+        return self.decision.scheme is Scheme.BLOCK
+
+
+def layer_state(module: torch.nn.Module) -> Optional[Fp8LayerState]:
+    """The module's state if this package quantized it, else None."""
+    state = getattr(module, STATE_ATTR, None)
+    return state if isinstance(state, Fp8LayerState) else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# non-finite mode of a validated update
+
+# set while a validated weight update is applied: the quantizers then skip their own NaN/Inf pre-read (the update
+# already checked every tensor) and raise a device flag instead, checked once per update
+_PREVALIDATED_FLAG: contextvars.ContextVar[Optional[torch.Tensor]] = contextvars.ContextVar(
+    "fp8rl_prevalidated_flag", default=None
+)
+
+
+@contextlib.contextmanager
+def prevalidated_writes(device: torch.device) -> Iterator[Optional[torch.Tensor]]:
+    """Inside this block, writes on ``device`` (CUDA) use one shared non-finite flag instead of a pre-read."""
+    flag = new_nonfinite_flag(device) if device.type == "cuda" else None
+    token = _PREVALIDATED_FLAG.set(flag)
+    try:
+        yield flag
+    finally:
+        _PREVALIDATED_FLAG.reset(token)
+
+
+def _flag_for(device: torch.device) -> Optional[torch.Tensor]:
+    flag = _PREVALIDATED_FLAG.get()
+    return flag if flag is not None and flag.device == device else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def write_rows(state: Fp8LayerState, w: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               dst_rows: slice) -> None:
+    """Quantize ``w`` into rows ``dst_rows`` of the 2-D FP8 ``weight`` and the matching rows of its ``scale``.
+
+    ``scale`` is the whole scale of ``weight``: 2-D block scale for block layers, 1-D per-row scale otherwise."""
+    w = w.to(torch.bfloat16).to(weight.device)  # round on the source device: half the bytes to move
+    flag = _flag_for(weight.device)
+    if state.is_block:
+        rows = scale_rows(dst_rows, state.block_size[0], weight.shape[0])
+        quantize_blockwise_into(w, weight[dst_rows], scale[rows], state.block_size, state.scale_format,
+                                nonfinite_flag=flag)
+    else:
+        quantize_per_channel_into(w, weight[dst_rows], scale[dst_rows], state.scale_format, nonfinite_flag=flag)
+
+
+def dummy_bf16(shape: tuple[int, ...], device: torch.device, key: str) -> torch.Tensor:
+    """Deterministic U(-1e-3, 1e-3) BF16 values for a never-loaded weight, seeded by its name."""
+    seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    w = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    return w.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+
+
+def refuse_scale(prefix: str, name: str, param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args,
+                 **kwargs) -> None:
+    """Weight loader of our scale parameters (dense and MoE): scales are computed on the engine, never loaded."""
+    raise ValueError(
+        f"{prefix}.{name}: fp8_online_blockwise computes FP8 scales from the BF16 weights; "
+        "the checkpoint or update must not contain scale tensors"
+    )
