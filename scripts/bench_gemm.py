@@ -10,7 +10,7 @@ M in {1, 8, 32, 64, 96, 112, 128, 144, 192, 256}:
   linear: 1x128 activation quant + GEMM, on a weight quantized by ``sglang_fp8rl.quant`` (128x128 fp32 scales);
 * ``fp8rl_n{64,128}_sk{1,2,4}``: our swap-AB / split-K Triton kernel (``sglang_fp8rl.kernels.block_gemm``), M <= 128.
 
-Timing as in ``shared/gpu/gemm_micro.py``: a CUDA graph of >= 48 back-to-back calls rotating over enough weight copies
+Timing: a CUDA graph of >= 48 back-to-back calls rotating over enough weight copies
 (>= 200 MB) and activation sets that weights come from HBM, median of the replays / calls. Each (shape, M, method)
 is first checked on a fresh x against the float64 block-scaled product (fp8 methods) or the float64 product (bf16):
 rel. Frobenius error on one column per 16. Ceilings measured in the same run: a 1 GiB device-to-device copy
@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gemm.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    from sglang_fp8rl.kernels import deepgemm
     from sglang_fp8rl.kernels import gemm_select as gs
     from sglang_fp8rl.quant import quantize_activation_groups
 
@@ -107,19 +108,21 @@ def main(argv=None) -> int:
     sms = tuple(int(v) for v in args.sms.split(",")) if args.sms else gs.DEFAULT_SMS
     # the microbenchmark compares every candidate; --tune uses the server's own set, so the cache stays valid there
     cands = gs.make_candidates(sms, triton=not args.no_triton, ours=() if args.no_ours else gs.ALL_OURS_CONFIGS)
-    info = gs.env_info()
+    facts = deepgemm.detect()
+    info = gs.env_info(facts)
     print("env:", json.dumps(info))
 
     if args.tune:
-        new = gs.autotune([(n, k) for _, n, k in shapes], max_m=args.max_m, candidates=gs.make_candidates(),
-                          budget_s=args.budget_s, rot_bytes=args.rot_mb * 1e6, calls=args.calls, points=args.points,
-                          log=print)
+        settings = gs.TuneSettings(max_m=args.max_m, budget_s=args.budget_s, rot_bytes=args.rot_mb * 1e6,
+                                   calls=args.calls, points=args.points)
+        new = gs.autotune([(n, k) for _, n, k in shapes], gs.make_candidates(), settings,
+                          bench=gs.Bench.create(facts=facts), log=print)
         path = gs.merge_entries(args.cache, info, new)
         print(f"wrote {len(new)} entries to {path}\n")
         print(gs.format_table(new))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"info": info, "entries": new}, f, indent=1)
+                json.dump({"info": info, "entries": {key: e.to_json() for key, e in new.items()}}, f, indent=1)
         return 0
 
     from triton.testing import do_bench
@@ -132,13 +135,11 @@ def main(argv=None) -> int:
     copy_bw = peaks["copy_GBs"] * 1e9
     print(f"ceilings: copy {peaks['copy_GBs']:.0f} GB/s, bf16 mm {peaks['bf16_tflops']:.0f} TFLOP/s, "
           f"fp8 rowwise mm {peaks['fp8_tflops'] or float('nan'):.0f} TFLOP/s")
-    device_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    deepgemm_ok, ue8m0 = gs._deepgemm_flags()
     ms = [int(v) for v in args.ms.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = {"info": info, "peaks": peaks, "args": vars(args), "rows": []}
     methods = ["bf16"] + list(cands)
-    errors = gs.candidate_errors()
+    errors = deepgemm.candidate_errors()
     t0 = time.time()
     for name, n, k in shapes:
         nrot8 = int(min(16, max(2, math.ceil(args.rot_mb * 1e6 / (n * k)))))
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
                     nr, ref = nrot16, ref16
                 else:
                     c = cands[meth]
-                    why = gs.unsupported_reason(c, n, k, device_sms, deepgemm_ok, ue8m0, m)
+                    why = c.can_implement(n, k, facts, m)
                     if why:
                         row["errors"][meth] = why
                         continue

@@ -55,12 +55,15 @@ def parse_log(text: str) -> dict:
     lines = [ln[ln.index("[fp8rl]"):][:300] for ln in text.splitlines() if "[fp8rl]" in ln]
     m = re.search(r"gemm_select: measured (\d+) entries for (\d+) shapes in ([\d.]+) s", text)
     warm = re.findall(r"JIT warm-up for [^:]*: (\d+)/(\d+) launches by (\d+) workers in ([\d.]+) s", text)
+    workers = re.search(r"DeepGEMM JIT warm-up: (\d+) workers \(requested (\d+)", text)
     capture = {phase: float(c.group(1)) for phase in ("prefill", "decode")
                for c in [re.search(rf"Capture target {phase} CUDA graph end\. elapsed=([\d.]+) s", text)] if c}
     return {"fp8rl_lines": lines[:12], "gemm_measured_entries": int(m.group(1)) if m else 0,
             "gemm_measure_s": float(m.group(3)) if m else 0.0,
             "jit_warmup_s": round(sum(float(w[3]) for w in warm), 1),
             "jit_warmup_launches": " + ".join(f"{w[0]}/{w[1]} x{w[2]}" for w in warm),
+            "jit_workers": int(workers.group(1)) if workers else None,
+            "jit_workers_requested": int(workers.group(2)) if workers else None,
             "capture_prefill_s": capture.get("prefill"), "capture_decode_s": capture.get("decode"),
             "deepgemm_precompile": "DeepGEMM JIT Pre-Compile" in text}
 

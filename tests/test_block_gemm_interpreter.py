@@ -13,11 +13,9 @@ import textwrap
 
 import pytest
 import torch
-
 from triton_interpreter import run_under_interpreter
 
 from sglang_fp8rl.kernels import gemm_select as gs
-
 
 INTERPRETER_CHECK = textwrap.dedent(
     """

@@ -1,15 +1,17 @@
 """CPU checks of sglang_fp8rl.kernels.gemm_select (per-shape block-FP8 GEMM selection, measured at load).
 
 Covered here: M bucketing, cache keys / versioning / invalidation, the JSON round trip, the lookup and its fallback,
-the selection rule, the log table, the float64 block-scaled reference (against brute-force loops), the autotune loop
-(fake candidates and timer), prepare_model in each --fp8rl-gemm-select mode, and the linear method calling SGLang's
-dispatch unchanged when the mode is off or nothing is cached. The real candidates, the CUDA-graph timing and
-set_num_sms inside graph capture are GPU tests (tests/gpu/test_block_gemm.py, scripts/bench_gemm.py).
+what each candidate can run, the selection rule, the log table, the float64 block-scaled reference (against
+brute-force loops), the two-phase autotune loop (fake candidates and timer), preparation in each
+--fp8rl-gemm-select mode, with DeepGEMM off and with an explicit --fp8-gemm-backend, and the linear method calling
+SGLang's dispatch unchanged when nothing is selected. The real candidates, the CUDA-graph timing and set_num_sms
+inside graph capture are GPU tests (tests/gpu/test_block_gemm.py, scripts/bench_gemm.py).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import types
 
@@ -18,17 +20,19 @@ import torch
 
 from sglang_fp8rl import quant
 from sglang_fp8rl.kernels import gemm_select as gs
-from sglang_fp8rl.layers.linear import Fp8OnlineBlockwiseLinearMethod
-from sglang_fp8rl.server_args import ENV_VAR, Fp8rlOptions
+from sglang_fp8rl.kernels.deepgemm import DeepGemmFacts
+from sglang_fp8rl.kernels.gemm_select import lookup as lookup_mod
+from sglang_fp8rl.kernels.gemm_select import prepare as prepare_mod
+from sglang_fp8rl.layers.linear import Fp8OnlineBlockwiseLinearMethod, LayerState, block_shapes
+from sglang_fp8rl.layers.scheme import choose_scheme
+from sglang_fp8rl.server_args import Fp8rlOptions
 
-
-def set_mode(monkeypatch, mode: str, budget: float = 20.0) -> None:
-    monkeypatch.setenv(ENV_VAR, Fp8rlOptions(gemm_select=mode, gemm_tune_budget_s=budget).to_json())
+OFF = DeepGemmFacts()  # SGLANG_ENABLE_JIT_DEEPGEMM=0, or no DeepGEMM (CPU)
+ON = DeepGemmFacts(enabled=True, dispatch_is_deepgemm=True, sms=132)  # an H100 with SGLang's defaults
 
 
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch, tmp_path):
-    monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.setenv(gs.ENV_CACHE, str(tmp_path / "cache" / "gemm_select.json"))
     gs.reset_state()
     yield
@@ -39,6 +43,17 @@ def sglang_decode_capture_bs(max_bs: int = 256) -> list[int]:
     """SGLang 0.5.17's decode CUDA-graph batch sizes (server_args._generate_decode_cuda_graph_batch_sizes)."""
     bs = [1, 2, 4, 8, 12] + list(range(16, 257, 8)) + list(range(272, 512, 16)) + list(range(512, max_bs + 1, 32))
     return [b for b in bs if b <= max_bs]
+
+
+def request(mode: str = "auto", budget: float = 20.0, **kw) -> gs.PrepareRequest:
+    """A preparation without JIT warm-up (its own tests are in test_jit_warmup.py)."""
+    return gs.PrepareRequest(mode=mode, budget_s=budget, jit_workers=kw.pop("jit_workers", 0), **kw)
+
+
+def cpu_runtime(cands, facts: DeepGemmFacts = OFF, timer=None) -> gs.Runtime:
+    """This process on CPU: the given candidates and DeepGEMM facts, the test's cache file, a CPU bench."""
+    return gs.Runtime(facts, dict(cands), gs.env_info(facts), gs.cache_path(),
+                      make_bench=lambda f: gs.Bench.create("cpu", f, timer=timer))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -90,20 +105,26 @@ def test_bucket_points():
 # ---------------------------------------------------------------------------------------------------------------------
 # cache keying, versioning, round trip
 
-INFO = {"gpu": "NVIDIA H100 80GB HBM3", "capability": "9.0", "sms": "132", "torch": "2.11.0+cu130",
-        "triton": "3.6.0", "sglang": "0.5.17", "sgl_kernel": "0.4.5", "deep_gemm": "0.1.5.post1", "sglang_fp8rl": "0.1.0", "schema": "2"}
+INFO = {"gpu": "NVIDIA H100 80GB HBM3", "capability": "9.0", "sms": "132", "deepgemm": "fp32", "torch": "2.11.0+cu130",
+        "triton": "3.6.0", "sglang": "0.5.17", "sgl_kernel": "0.4.5", "deep_gemm": "0.1.5.post1",
+        "sglang_fp8rl": "0.1.0", "schema": str(gs.SCHEMA)}
 
 
-def entry(choice: str, us: dict, rejected=None, names=None) -> dict:
+def entry(choice: str, us: dict, rejected=None, names=None) -> gs.Entry:
     names = names if names is not None else gs.candidate_names()
-    return {"choice": choice, "candidates": names, "us": us, "rejected": rejected or {}, "first_call_s": {},
-            "rel_err": {}, "points": [128], "time": 0}
+    return gs.Entry(candidates=list(names), choice=choice, us=us, rejected=rejected or {}, points=[128], time=0)
 
 
 def test_env_info_has_every_key_field():
     info = gs.env_info()
     assert set(INFO) == set(info)
     assert info["gpu"] == "cpu" and info["schema"] == str(gs.SCHEMA) and info["torch"] == torch.__version__
+    assert info["deepgemm"] == "off"  # SGLang's DeepGEMM layer on a machine without CUDA
+
+
+def test_env_key_tells_deepgemm_states_apart():
+    keys = {gs.env_key(gs.env_info(facts)) for facts in (OFF, ON, DeepGemmFacts(enabled=True, ue8m0=True))}
+    assert len(keys) == 3  # the default candidate is another kernel in each: never share measurements
 
 
 @pytest.mark.parametrize("field", sorted(INFO), ids=lambda f: f"field_{f}")  # an id "gpu" would mean: skip on CPU
@@ -140,24 +161,38 @@ def test_json_round_trip_and_merge(tmp_path):
     assert os.listdir(os.path.dirname(path)) == ["g.json"]  # no temp file left behind
     e3 = {gs.shape_key(24576, 4096, 128): entry(gs.DEFAULT, {"deepgemm_default": 50.0})}
     gs.merge_entries(path, INFO, e3)  # re-measured entry replaces the old one
-    assert gs.env_entries(gs.load_cache(path), INFO) == e3
+    assert gs.load_entries(INFO, path) == e3
+    # the file stays readable JSON: an entry is its fields
+    raw = json.loads(open(path).read())["envs"][gs.env_key(INFO)]["entries"][gs.shape_key(24576, 4096, 128)]
+    assert raw["choice"] == gs.DEFAULT and raw["us"] == {"deepgemm_default": 50.0} and raw["points"] == [128]
 
 
-@pytest.mark.parametrize("text", ["{not json", json.dumps({"schema": 999, "envs": {}}), json.dumps([1, 2])])
+@pytest.mark.parametrize("text", ["{not json", json.dumps({"schema": 999, "envs": {}}), json.dumps([1, 2]),
+                                  json.dumps({"schema": 2, "envs": {}})])
 def test_bad_cache_reads_as_empty(tmp_path, text):
     path = tmp_path / "g.json"
     path.write_text(text)
     assert gs.load_cache(str(path)) == {"schema": gs.SCHEMA, "envs": {}}
 
 
+def test_malformed_entries_are_left_out(tmp_path):
+    path = tmp_path / "g.json"
+    good = entry(gs.DEFAULT, {"deepgemm_default": 1.0}).to_json()
+    entries = {"N=1,K=1,M=1": good, "N=2,K=1,M=1": [1], "N=3,K=1,M=1": {"choice": "x"},
+               "N=4,K=1,M=1": dict(good, choice=7), "N=5,K=1,M=1": dict(good, surprise=1)}
+    path.write_text(json.dumps({"schema": gs.SCHEMA, "envs": {gs.env_key(INFO): {"info": INFO, "entries": entries}}}))
+    assert sorted(gs.load_entries(INFO, str(path))) == ["N=1,K=1,M=1", "N=5,K=1,M=1"]
+
+
 def test_versions_invalidate(tmp_path):
     key = gs.shape_key(24576, 4096, 128)
+    names = gs.candidate_names()
     gs.merge_entries(None, INFO, {key: entry("deepgemm_sms_124", {"deepgemm_default": 101.0,
                                                                   "deepgemm_sms_124": 42.0})})
     data = gs.load_cache()
-    assert gs.select(128, 24576, 4096, gs.env_entries(data, INFO)) == "deepgemm_sms_124"
+    assert gs.cached_choice(128, 24576, 4096, gs.env_entries(data, INFO), names) == "deepgemm_sms_124"
     newer = dict(INFO, sglang="0.5.18")
-    assert gs.select(128, 24576, 4096, gs.env_entries(data, newer)) == gs.DEFAULT
+    assert gs.cached_choice(128, 24576, 4096, gs.env_entries(data, newer), names) == gs.DEFAULT
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -173,21 +208,85 @@ def test_select_lookup_and_fallbacks():
         gs.shape_key(24576, 4096, 128): entry("deepgemm_sms_124", {}, names=names[:-1]),  # other candidate set
         gs.shape_key(4096, 4096, 128): entry("deepgemm_sms_7", {}),  # unknown name
     }
-    assert gs.select(100, 24576, 4096, entries, names) == "deepgemm_sms_112"  # bucket 112
-    assert gs.select(112, 24576, 4096, entries, names) == "deepgemm_sms_112"
-    assert gs.select(113, 24576, 4096, entries, names) == gs.DEFAULT  # stale entry
-    assert gs.select(128, 4096, 4096, entries, names) == gs.DEFAULT  # unknown choice
-    assert gs.select(64, 24576, 4096, entries, names) == gs.DEFAULT  # missing bucket
-    assert gs.select(112, 6144, 4096, entries, names) == gs.DEFAULT  # missing shape
-    assert gs.select(1, 1, 1, {}, names) == gs.DEFAULT
+    assert gs.cached_choice(100, 24576, 4096, entries, names) == "deepgemm_sms_112"  # bucket 112
+    assert gs.cached_choice(112, 24576, 4096, entries, names) == "deepgemm_sms_112"
+    assert gs.cached_choice(113, 24576, 4096, entries, names) == gs.DEFAULT  # stale entry
+    assert gs.cached_choice(128, 4096, 4096, entries, names) == gs.DEFAULT  # unknown choice
+    assert gs.cached_choice(64, 24576, 4096, entries, names) == gs.DEFAULT  # missing bucket
+    assert gs.cached_choice(112, 6144, 4096, entries, names) == gs.DEFAULT  # missing shape
+    assert gs.cached_choice(1, 1, 1, {}, names) == gs.DEFAULT
 
 
 def test_select_reads_the_cache_file_of_this_environment():
     key = gs.shape_key(24576, 4096, 128)
-    gs.merge_entries(None, gs.env_info(), {key: entry("deepgemm_sms_124", {})})
-    gs.merge_entries(None, dict(gs.env_info(), gpu="other"), {key: entry("triton_default", {})})
+    gs.merge_entries(None, gs.env_info(ON), {key: entry("deepgemm_sms_124", {})})
+    gs.merge_entries(None, dict(gs.env_info(ON), gpu="other"), {key: entry("triton_default", {})})
     gs.reset_state()
+    gs.prepare_shapes([(24576, 4096)], request("cache"), cpu_runtime(gs.make_candidates(), ON))
     assert gs.select(120, 24576, 4096) == "deepgemm_sms_124"
+
+
+def test_cached_deepgemm_choice_is_never_used_with_deepgemm_off(caplog):
+    """SGLANG_ENABLE_JIT_DEEPGEMM=0: a cached DeepGEMM variant (SGLang asserts at capture if it runs) is not chosen."""
+    key = gs.shape_key(24576, 4096, 128)
+    cands = gs.make_candidates()
+    # as a cache written before DeepGEMM's state was part of the environment would hold it
+    gs.merge_entries(None, gs.env_info(OFF), {key: entry("deepgemm_sms_124", {})})
+    got = gs.prepare_shapes([(24576, 4096)], request("cache"), cpu_runtime(cands, OFF))
+    assert got == {} and gs.select(120, 24576, 4096) == gs.DEFAULT
+    default = Recorder("sglang")
+    x = torch.zeros(120, 4096, dtype=torch.bfloat16)
+    assert gs.apply_selected(x, torch.zeros(24576, 4096), torch.ones(192, 32), None, default) == "sglang"
+    # the same entry with DeepGEMM on is used: the check above is about DeepGEMM's state, not the entry
+    gs.merge_entries(None, gs.env_info(ON), {key: entry("deepgemm_sms_124", {})})
+    gs.prepare_shapes([(24576, 4096)], request("cache"), cpu_runtime(cands, ON))
+    assert gs.select(120, 24576, 4096) == "deepgemm_sms_124"
+    # and a device with fewer SMs than the variant asks for does not get it either
+    gs.merge_entries(None, gs.env_info(DeepGemmFacts(True, False, True, 114)), {key: entry("deepgemm_sms_124", {})})
+    gs.prepare_shapes([(24576, 4096)], request("cache"), cpu_runtime(cands, DeepGemmFacts(True, False, True, 114)))
+    assert gs.select(120, 24576, 4096) == gs.DEFAULT
+
+
+def test_autotune_never_picks_a_deepgemm_variant_with_deepgemm_off():
+    last: list = []
+    fake = make_fake_candidates(last)
+    cands = {gs.DEFAULT: fake[gs.DEFAULT],
+             "variant": gs.Candidate("variant", fake["fast"].fn, needs_deepgemm=True, num_sms=100)}
+
+    def timer(call, nrot, calls, reps):
+        call(0)
+        return US[last[-1]]
+
+    settings = gs.TuneSettings(max_m=2)
+    on = gs.autotune([(256, 384)], cands, settings, bench=gs.Bench.create("cpu", ON, timer=timer), log=print)
+    off = gs.autotune([(256, 384)], cands, settings, bench=gs.Bench.create("cpu", OFF, timer=timer), log=print)
+    assert {e.choice for e in on.values()} == {"variant"}
+    assert {e.choice for e in off.values()} == {gs.DEFAULT}
+    assert all("DeepGEMM disabled" in e.rejected["variant"] for e in off.values())
+
+
+@pytest.mark.parametrize("backend", ["triton", "deep_gemm", "flashinfer_deepgemm", "cutlass"])
+def test_explicit_fp8_gemm_backend_turns_selection_off(monkeypatch, caplog, backend):
+    """--fp8-gemm-backend named by the user: SGLang's dispatch of that backend runs every GEMM, one log line."""
+    calls: list = []
+    cands, runtime = install_fake_tuning(monkeypatch, calls)
+    key = gs.shape_key(256, 384, 2)
+    gs.merge_entries(None, runtime.info, {key: entry("fast", {}, names=list(cands))})
+    with caplog.at_level(logging.INFO, logger=prepare_mod.__name__):
+        got = gs.prepare_shapes([(256, 384)], request("auto", fp8_gemm_backend=backend), runtime)
+    assert got == {} and calls == [] and gs.select(2, 256, 384) == gs.DEFAULT
+    lines = [r.getMessage() for r in caplog.records if "--fp8-gemm-backend" in r.getMessage()]
+    assert len(lines) == 1 and backend in lines[0]
+    # "auto" (SGLang's default) keeps the selection: the cached choice is used
+    gs.prepare_shapes([(256, 384)], request("cache", fp8_gemm_backend="auto"), runtime)
+    assert gs.select(2, 256, 384) == "fast"
+
+
+def test_prepare_model_checks_its_arguments():
+    with pytest.raises(ValueError, match="mode"):
+        gs.prepare_model([(256, 384)], mode="fast", budget_s=1.0, jit_workers=0)
+    assert gs.prepare_model([], mode="auto", budget_s=1.0, jit_workers=0) == {}  # nothing to do: nothing detected
+    assert gs.GEMM_SELECT_MODES == ("auto", "cache", "off")
 
 
 def test_candidate_set_is_configurable():
@@ -206,22 +305,23 @@ def test_choose():
     assert gs.choose({"triton_default": 50.0, "deepgemm_default": float("nan")}, {}) == "triton_default"
 
 
-def test_unsupported_reason():
+def test_can_implement_says_why_not():
     reg = gs.make_candidates((124, 132), triton=True)
     d, s124, s132, tr = (reg[n] for n in ("deepgemm_default", "deepgemm_sms_124", "deepgemm_sms_132",
                                           "triton_default"))
-    assert gs.unsupported_reason(d, 100, 100, 132, False, False) is None  # the default always runs
-    assert gs.unsupported_reason(tr, 24576, 4096, 132, False, False) is None
-    assert gs.unsupported_reason(s124, 24576, 4096, 132, True, False) is None
-    assert "disabled" in gs.unsupported_reason(s124, 24576, 4096, 132, False, False)
-    assert "UE8M0" in gs.unsupported_reason(s124, 24576, 4096, 132, True, True)
-    assert "Triton" in gs.unsupported_reason(s124, 4096 + 32, 4096, 132, True, False)
-    assert "Triton" in gs.unsupported_reason(s124, 4096, 4096 + 64, 132, True, False)
-    assert "num_sms" in gs.unsupported_reason(s132, 4096, 4096, 132, True, False)
+    off, on = DeepGemmFacts(sms=132), DeepGemmFacts(enabled=True, sms=132)
+    assert d.can_implement(100, 100, off) is None  # the default always runs
+    assert tr.can_implement(24576, 4096, off) is None
+    assert s124.can_implement(24576, 4096, on) is None
+    assert "disabled" in s124.can_implement(24576, 4096, off)
+    assert "UE8M0" in s124.can_implement(24576, 4096, DeepGemmFacts(enabled=True, ue8m0=True, sms=132))
+    assert "Triton" in s124.can_implement(4096 + 32, 4096, on)
+    assert "Triton" in s124.can_implement(4096, 4096 + 64, on)
+    assert "num_sms" in s132.can_implement(4096, 4096, on)
     ours = gs.make_candidates()["fp8rl_n64_sk4"]
-    assert gs.unsupported_reason(ours, 4096, 4096, 132, False, False, m=16) is None  # needs no DeepGEMM
-    assert "M 17" in gs.unsupported_reason(ours, 4096, 4096, 132, True, False, m=17)
-    assert "K 4000" in gs.unsupported_reason(ours, 4096, 4000, 132, True, False, m=8)
+    assert ours.can_implement(4096, 4096, off, m=16) is None  # needs no DeepGEMM
+    assert "M 17" in ours.can_implement(4096, 4096, on, m=17)
+    assert "K 4000" in ours.can_implement(4096, 4000, on, m=8)
 
 
 def test_format_table():
@@ -304,7 +404,7 @@ def test_check_columns_cover_every_16_group():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the linear method: unchanged unless FP8RL_GEMM_SELECT=1
+# the linear method: SGLang's call unchanged unless a choice is installed
 
 
 class Recorder:
@@ -324,8 +424,9 @@ def fake_layer(n=256, k=512, block=(128, 128)):
     return layer
 
 
-def run_block_apply(default):
-    method = Fp8OnlineBlockwiseLinearMethod(quant_config=None, prefix="model.layers.0.mlp.gate_up_proj")
+def run_block_apply(default, mode: str = "auto"):
+    config = types.SimpleNamespace(options=Fp8rlOptions(gemm_select=mode))
+    method = Fp8OnlineBlockwiseLinearMethod(quant_config=config, prefix="model.layers.0.mlp.gate_up_proj")
     method._block_linear = default
     layer = fake_layer()
     x = torch.zeros(5, 512, dtype=torch.bfloat16)
@@ -342,51 +443,62 @@ def same_kwargs(got, want):
 
 
 def test_linear_unchanged_when_off(monkeypatch):
-    set_mode(monkeypatch, "off")
+    names = gs.candidate_names()
+    gs.merge_entries(None, gs.env_info(ON), {gs.shape_key(256, 512, 8): entry("deepgemm_sms_112", {}, names=names)})
+    gs.prepare_shapes([(256, 512)], request("off"), cpu_runtime(gs.make_candidates(), ON))
 
     def boom(*a, **k):
         raise AssertionError("the selector must not run")
 
-    monkeypatch.setattr(gs, "apply_selected", boom)
+    monkeypatch.setattr(lookup_mod, "select", boom)
     default = Recorder("sglang")
-    out, layer, x = run_block_apply(default)
+    out, layer, x = run_block_apply(default, "off")
     assert out == "sglang" and len(default.calls) == 1
     args, kwargs = default.calls[0]
     assert args == () and same_kwargs(kwargs, expected_kwargs(layer, x))
 
 
 @pytest.mark.parametrize("mode", [None, "auto", "cache"])
-def test_linear_with_empty_cache_calls_sglang_identically(monkeypatch, mode):
+def test_linear_with_empty_cache_calls_sglang_identically(mode):
     if mode is not None:
-        set_mode(monkeypatch, mode)
+        gs.prepare_shapes([(256, 512)], request(mode, budget=0.0), cpu_runtime(gs.make_candidates(), ON))
     default = Recorder("sglang")
-    out, layer, x = run_block_apply(default)
+    out, layer, x = run_block_apply(default, mode or Fp8rlOptions().gemm_select)
     assert out == "sglang" and len(default.calls) == 1
     args, kwargs = default.calls[0]
     assert args == () and same_kwargs(kwargs, expected_kwargs(layer, x))
 
 
-def test_linear_uses_cached_choice(monkeypatch):
+def test_linear_uses_cached_choice():
     names = gs.candidate_names()
-    gs.merge_entries(None, gs.env_info(), {gs.shape_key(256, 512, 8): entry("deepgemm_sms_112", {}, names=names)})
+    gs.merge_entries(None, gs.env_info(ON), {gs.shape_key(256, 512, 8): entry("deepgemm_sms_112", {}, names=names)})
     picked = Recorder("sms112")
     reg = gs.make_candidates()
     reg["deepgemm_sms_112"] = gs.Candidate("deepgemm_sms_112", picked, needs_deepgemm=True, num_sms=112)
-    gs._STATE["registry"] = reg
+    gs.prepare_shapes([(256, 512)], request("cache"), cpu_runtime(reg, ON))
     default = Recorder("sglang")
-    out, layer, x = run_block_apply(default)  # M = 5 -> bucket 8
+    out, layer, x = run_block_apply(default, "cache")  # M = 5 -> bucket 8
     assert out == "sms112" and default.calls == []
     args, _ = picked.calls[0]
     assert args[0] is x and args[1] is layer.weight and args[2] is layer.weight_scale_inv and args[3] is None
 
 
 def test_selector_leaves_other_block_sizes_alone(monkeypatch):
+    picked = Recorder("picked")
+    gs.install({gs.shape_key(256, 512, 4): "x"}, {"x": gs.Candidate("x", picked)})
     default = Recorder("sglang")
     layer = fake_layer(block=(64, 64))
     x = torch.zeros(3, 512, dtype=torch.bfloat16)
-    monkeypatch.setattr(gs, "select", lambda *a, **k: pytest.fail("no lookup for 64x64 blocks"))
+    monkeypatch.setattr(lookup_mod, "select", lambda *a, **k: pytest.fail("no lookup for 64x64 blocks"))
     assert gs.apply_selected(x, layer.weight, layer.weight_scale_inv, None, default, (64, 64)) == "sglang"
-    assert default.calls[0][1]["block_size"] == [64, 64]
+    assert default.calls[0][1]["block_size"] == [64, 64] and picked.calls == []
+
+
+def test_install_refuses_unknown_candidates():
+    with pytest.raises(ValueError, match="unknown"):
+        gs.install({"N=1,K=1,M=1": "nope"}, {})
+    gs.install({"N=1,K=1,M=1": gs.DEFAULT}, {})  # the default is the fallback, never an installed choice
+    assert gs.installed().choices == {}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -426,40 +538,137 @@ def fake_timer(last):
     return timer
 
 
+def cpu_bench(timer, copy_gbs=None, facts=OFF):
+    return gs.Bench.create("cpu", facts, timer=timer, copy_gbs=copy_gbs)
+
+
+def quiet(_: str) -> None:
+    return None
+
+
 def test_autotune_loop_checks_rejects_and_chooses():
     last: list = []
-    new = gs.autotune([(256, 384), (256, 384)], max_m=16, candidates=make_fake_candidates(last), device="cpu",
-                      timer=fake_timer(last), log=lambda s: None)
+    new = gs.autotune([(256, 384), (256, 384)], make_fake_candidates(last), gs.TuneSettings(max_m=16),
+                      bench=cpu_bench(fake_timer(last)), log=quiet)
     assert sorted(new) == sorted(gs.shape_key(256, 384, b) for b in (1, 2, 4, 8, 16))
     for e in new.values():
-        assert e["choice"] == "fast" and e["candidates"] == [gs.DEFAULT, "fast", "wrong", "nan", "broken"]
-        assert e["us"] == {gs.DEFAULT: 100.0, "fast": 40.0}
-        assert set(e["rejected"]) == {"wrong", "nan", "broken"}
-        assert "rel. error" in e["rejected"]["wrong"] and "RuntimeError" in e["rejected"]["broken"]
-        assert e["rel_err"][gs.DEFAULT] < 4e-3 and e["rel_err"]["nan"] == float("inf")
-        assert set(e["first_call_s"]) == {gs.DEFAULT, "fast", "wrong", "nan"}  # "broken" raised in its first call
-    # what the autotune writes is what select() reads back
+        assert e.choice == "fast" and e.candidates == [gs.DEFAULT, "fast", "wrong", "nan", "broken"]
+        assert e.us == {gs.DEFAULT: 100.0, "fast": 40.0}
+        assert set(e.rejected) == {"wrong", "nan", "broken"}
+        assert "rel. error" in e.rejected["wrong"] and "RuntimeError" in e.rejected["broken"]
+        assert e.rel_err[gs.DEFAULT] < 4e-3 and e.rel_err["nan"] == float("inf")
+        assert set(e.first_call_s) == {gs.DEFAULT, "fast", "wrong", "nan"}  # "broken" raised in its first call
+    # what the autotune writes is what the lookup reads back
     gs.merge_entries(None, INFO, new)
-    entries = gs.env_entries(gs.load_cache(), INFO)
-    assert gs.select(3, 256, 384, entries, list(make_fake_candidates([]))) == "fast"
-    assert gs.select(17, 256, 384, entries, list(make_fake_candidates([]))) == gs.DEFAULT  # above max_m
+    entries = gs.load_entries(INFO)
+    assert gs.cached_choice(3, 256, 384, entries, list(make_fake_candidates([]))) == "fast"
+    assert gs.cached_choice(17, 256, 384, entries, list(make_fake_candidates([]))) == gs.DEFAULT  # above max_m
     assert "| 256 | 384 | 16 | fast | x2.50 |" in gs.format_table(new)
 
 
 def test_autotune_points_skip_budget_and_order():
     last: list = []
     cands = make_fake_candidates(last)
-    skip = {gs.shape_key(256, 384, 1): {}}
-    new = gs.autotune([(256, 384)], max_m=8, candidates=cands, device="cpu", timer=fake_timer(last), points="both",
-                      skip=skip, log=lambda s: None)
+    skip = {gs.shape_key(256, 384, 1)}
+    new = gs.autotune([(256, 384)], cands, gs.TuneSettings(max_m=8, points="both"), bench=cpu_bench(fake_timer(last)),
+                      skip=skip, log=quiet)
     assert sorted(new) == sorted(gs.shape_key(256, 384, b) for b in (2, 4, 8))  # bucket 1 skipped
-    assert new[gs.shape_key(256, 384, 8)]["points"] == [5, 8]
-    assert new[gs.shape_key(256, 384, 8)]["us"]["fast"] == 80.0  # summed over both points
-    assert gs.autotune([(256, 384)], max_m=8, candidates=cands, device="cpu", timer=fake_timer(last),
-                       budget_s=-1, log=lambda s: None) == {}
+    assert new[gs.shape_key(256, 384, 8)].points == [5, 8]
+    assert new[gs.shape_key(256, 384, 8)].us["fast"] == 80.0  # summed over both points
+    assert gs.autotune([(256, 384)], cands, gs.TuneSettings(max_m=8, budget_s=-1), bench=cpu_bench(fake_timer(last)),
+                       log=quiet) == {}
     reordered = {"fast": cands["fast"], gs.DEFAULT: cands[gs.DEFAULT]}
     with pytest.raises(ValueError, match="first"):
-        gs.autotune([(256, 384)], max_m=1, candidates=reordered, device="cpu", timer=fake_timer(last))
+        gs.autotune([(256, 384)], reordered, gs.TuneSettings(max_m=1), bench=cpu_bench(fake_timer(last)))
+
+
+def test_autotune_skips_alternatives_where_the_default_is_efficient():
+    last: list = []
+    new = gs.autotune([(256, 384)], make_fake_candidates(last), gs.TuneSettings(max_m=4),
+                      bench=cpu_bench(fake_timer(last), copy_gbs=1.0), log=quiet)  # default ~1 GB/s = ~100 %
+    assert sorted(new) == sorted(gs.shape_key(256, 384, b) for b in (1, 2, 4))
+    for e in new.values():
+        assert e.choice == gs.DEFAULT and list(e.us) == [gs.DEFAULT] and e.default_frac_copy_bw >= 0.7
+        assert set(e.skipped) == {"fast", "wrong", "nan", "broken"} and "copy bandwidth" in e.skipped["fast"]
+    assert set(last) == {gs.DEFAULT}
+    gs.merge_entries(None, INFO, new)  # complete entries: valid for the next start
+    assert gs.cached_choice(3, 256, 384, gs.load_entries(INFO), list(make_fake_candidates([]))) == gs.DEFAULT
+
+
+def test_autotune_measures_least_efficient_defaults_first():
+    order: list = []
+    seen_m: list = []
+
+    def exact(x, w, s, bias):
+        xq, xs = quant.quantize_activation_groups(x, 128)
+        return (quant.dequantize_activation_groups(xq, xs) @ quant.dequantize_blockwise(w, s).t()).to(x.dtype)
+
+    def default(x, w, s, bias):
+        seen_m.append(x.shape[0])
+        return exact(x, w, s, bias)
+
+    def alt(x, w, s, bias):
+        order.append(x.shape[0])
+        return exact(x, w, s, bias)
+
+    cands = {gs.DEFAULT: gs.Candidate(gs.DEFAULT, default), "alt": gs.Candidate("alt", alt)}
+    default_us = {1: 10.0, 2: 30.0, 4: 20.0}  # efficiency falls as the time grows: M=2, then 4, then 1
+
+    def timing(call, nrot, calls, reps):
+        n_before = len(order)
+        call(0)
+        if len(order) > n_before:  # an alternative ran
+            return 5.0
+        return default_us[seen_m[-1]]
+
+    new = gs.autotune([(256, 384)], cands, gs.TuneSettings(max_m=4, min_gain=0.0),
+                      bench=cpu_bench(timing, copy_gbs=1e9), log=quiet)
+    # each alternative ran twice per entry (first call + timed call); the entries came least efficient first
+    assert order[::2] == [2, 4, 1]
+    assert all(e.choice == "alt" for e in new.values())
+
+
+def test_autotune_measures_num_sms_variants_only_where_the_default_is_far_off():
+    last: list = []
+    fake = make_fake_candidates(last)
+    exact, rows = fake["fast"].fn, []
+
+    def default(x, w, s, b):
+        rows.append(x.shape[0])
+        return fake[gs.DEFAULT].fn(x, w, s, b)
+
+    cands = {gs.DEFAULT: gs.Candidate(gs.DEFAULT, default), "fast": fake["fast"],
+             "variant": gs.Candidate("variant", lambda x, w, s, b: (last.append("fast"), exact(x, w, s, b))[1],
+                                     num_sms=100)}
+
+    def timer(call, nrot, calls, reps):  # the default takes 100 us at M=1 and 200 us at M=2; the others 40 us
+        call(0)
+        return (100.0 * rows[-1]) if last[-1] == gs.DEFAULT else 40.0
+
+    bw = gs.linear_bytes(1, 256, 384) / 100e-6 / 1e9 / 0.6  # the default reaches 60 % at M=1, ~30 % at M=2
+    todo = []
+    new = gs.autotune([(256, 384)], cands, gs.TuneSettings(max_m=2), bench=cpu_bench(timer, copy_gbs=bw), log=quiet,
+                      before_alternatives=todo.extend)
+    e1, e2 = new[gs.shape_key(256, 384, 1)], new[gs.shape_key(256, 384, 2)]
+    assert e1.default_frac_copy_bw == pytest.approx(0.6, abs=1e-3)
+    assert set(e1.us) == {gs.DEFAULT, "fast"} and "variant" in e1.skipped  # 60 %: variants not worth a JIT
+    assert e2.default_frac_copy_bw < gs.VARIANT_BELOW and set(e2.us) == {gs.DEFAULT, "fast", "variant"}
+    # phase 2's work, announced once before it starts, least efficient entry first
+    assert todo == [(256, 384, 2, ["fast", "variant"]), (256, 384, 1, ["fast"])]
+
+
+def test_autotune_phases_can_run_alone():
+    last: list = []
+    cands = make_fake_candidates(last)
+    settings = gs.TuneSettings(max_m=2)
+    bench = cpu_bench(fake_timer(last))
+    phase = gs.measure_defaults([(256, 384)], cands, settings, bench, gs.tune.Deadline(60.0))
+    assert phase.done == {} and [p.bucket for p in phase.pending] == [1, 2] and set(last) == {gs.DEFAULT}
+    assert phase.todo() == [(256, 384, 1, ["fast", "wrong", "nan", "broken"]),
+                            (256, 384, 2, ["fast", "wrong", "nan", "broken"])]
+    out = gs.measure_alternatives(phase, cands, settings, bench, gs.tune.Deadline(60.0))
+    assert sorted(out) == [gs.shape_key(256, 384, 1), gs.shape_key(256, 384, 2)]
+    assert all(e.choice == "fast" for e in out.values())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -509,7 +718,7 @@ def test_bench_shapes_and_markdown():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# prepare_model: what runs once after load, in each --fp8rl-gemm-select mode
+# preparation: what runs once after load, in each --fp8rl-gemm-select mode
 
 
 def fake_model(shapes, block=(128, 128), device="cpu"):
@@ -517,185 +726,93 @@ def fake_model(shapes, block=(128, 128), device="cpu"):
     for i, (n, k) in enumerate(shapes):
         layer = torch.nn.Module()
         layer.weight = torch.nn.Parameter(torch.zeros(n, k, dtype=quant.FP8_DTYPE, device=device), requires_grad=False)
-        layer._fp8rl = types.SimpleNamespace(block_size=block, is_block=True)
+        layer._fp8rl = LayerState(f"l{i}", choose_scheme(k, [n], block), block, "fp32")
         model.add_module(f"l{i}", layer)
     channel = torch.nn.Module()  # a per-channel fallback layer is never tuned
-    channel.weight = torch.nn.Parameter(torch.zeros(384, 256, dtype=quant.FP8_DTYPE), requires_grad=False)
-    channel._fp8rl = types.SimpleNamespace(block_size=block, is_block=False)
+    channel.weight = torch.nn.Parameter(torch.zeros(384, 200, dtype=quant.FP8_DTYPE), requires_grad=False)
+    channel._fp8rl = LayerState("channel", choose_scheme(200, [384], block), block, "fp32")
     model.add_module("channel", channel)
     model.add_module("norm", torch.nn.LayerNorm(8))
     return model
 
 
-def test_model_block_shapes():
+def test_block_shapes_feed_prepare_model():
     model = fake_model([(256, 384), (256, 384), (128, 256)])
-    assert gs.model_block_shapes(model, "cpu") == [(128, 256), (256, 384)]
-    assert gs.model_block_shapes(model) == []  # CPU weights: nothing to tune on CUDA
-    assert gs.model_block_shapes(fake_model([(256, 384)], block=(64, 64)), "cpu") == []
+    assert block_shapes(model, "cpu") == [(128, 256), (256, 384)]
+    assert block_shapes(model) == []  # CPU weights: nothing to tune on CUDA
+    assert block_shapes(fake_model([(256, 384)], block=(64, 64)), "cpu") == []  # the cache is for 128x128 blocks
 
 
-def install_fake_tuning(monkeypatch, calls):
+def install_fake_tuning(monkeypatch, calls, facts: DeepGemmFacts = OFF):
     last: list = []
     cands = make_fake_candidates(last)
-    monkeypatch.setattr(gs, "registry", lambda: cands)
-    monkeypatch.setattr(gs, "model_block_shapes", lambda model: gs.__dict__["_real_shapes"](model, "cpu"))
-    real = gs.autotune
+    real = prepare_mod.autotune
 
-    def autotune(shapes, **kw):
-        calls.append((list(shapes), sorted(kw["skip"]), kw["budget_s"]))
-        assert kw.pop("log") == gs.logger.debug  # progress lines are debug; the decision log is prepare_model's
-        return real(shapes, device="cpu", timer=fake_timer(last), log=lambda s: None, **kw)
+    def autotune(shapes, candidates, settings, **kw):
+        calls.append((list(shapes), sorted(kw["skip"]), settings.budget_s))
+        assert kw.pop("log") == prepare_mod.logger.debug  # progress lines are debug; the decision log is prepare's
+        return real(shapes, candidates, settings, log=quiet, **kw)
 
-    monkeypatch.setattr(gs, "autotune", autotune)
-    return cands
+    monkeypatch.setattr(prepare_mod, "autotune", autotune)
+    return cands, cpu_runtime(cands, facts, timer=fake_timer(last))
 
 
-@pytest.fixture
-def shapes_on_cpu(monkeypatch):
-    monkeypatch.setitem(gs.__dict__, "_real_shapes", gs.model_block_shapes)
-
-
-def test_prepare_model_auto_measures_missing_then_reads_the_cache(monkeypatch, shapes_on_cpu, caplog):
-    set_mode(monkeypatch, "auto", budget=30.0)
+def test_prepare_auto_measures_missing_then_reads_the_cache(monkeypatch, caplog):
     calls: list = []
-    cands = install_fake_tuning(monkeypatch, calls)
-    model = fake_model([(256, 384)])
+    cands, runtime = install_fake_tuning(monkeypatch, calls)
     assert gs.select(3, 256, 384) == gs.DEFAULT  # the apply path's lookup before anything is measured
-    with caplog.at_level("INFO", logger=gs.__name__):
-        got = gs.prepare_model(model, max_m=8)
+    with caplog.at_level("INFO", logger=prepare_mod.__name__):
+        got = gs.prepare_shapes([(256, 384)], request("auto", budget=30.0, max_m=8), runtime)
     assert calls == [([(256, 384)], [], 30.0)]
     assert sorted(got) == sorted(gs.shape_key(256, 384, b) for b in (1, 2, 4, 8))
-    assert all(e["choice"] == "fast" for e in got.values())
+    assert all(e.choice == "fast" for e in got.values())
     table = [r for r in caplog.records if "gemm_select (auto" in r.getMessage()]
     assert len(table) == 1 and "| 256 | 384 | 8 | fast |" in table[0].getMessage()
-    assert gs.select(3, 256, 384, names=list(cands)) == "fast"
+    assert gs.cached_choice(3, 256, 384, gs.load_entries(runtime.info), list(cands)) == "fast"
     assert gs.select(3, 256, 384) == "fast"  # the apply path's lookup sees what was just measured
     # a new process (fresh state) with the same cache: nothing is measured again
     gs.reset_state()
     calls.clear()
-    assert sorted(gs.prepare_model(model, max_m=8)) == sorted(got)
+    assert sorted(gs.prepare_shapes([(256, 384)], request("auto", max_m=8), runtime)) == sorted(got)
     assert calls == []
 
 
-def test_prepare_model_measures_only_what_is_missing(monkeypatch, shapes_on_cpu):
-    set_mode(monkeypatch, "auto")
+def test_prepare_measures_only_what_is_missing(monkeypatch):
     calls: list = []
-    install_fake_tuning(monkeypatch, calls)
-    gs.prepare_model(fake_model([(256, 384)]), max_m=4)
+    _, runtime = install_fake_tuning(monkeypatch, calls)
+    gs.prepare_shapes([(256, 384)], request("auto", max_m=4), runtime)
     gs.reset_state()
     calls.clear()
-    got = gs.prepare_model(fake_model([(256, 384), (128, 256)]), max_m=4)
+    got = gs.prepare_shapes([(256, 384), (128, 256)], request("auto", max_m=4), runtime)
     assert calls == [([(128, 256), (256, 384)], sorted(gs.shape_key(256, 384, b) for b in (1, 2, 4)), 20.0)]
     assert len(got) == 6
 
 
 @pytest.mark.parametrize("mode", ["cache", "off"])
-def test_prepare_model_never_measures_in_cache_or_off_mode(monkeypatch, shapes_on_cpu, mode):
-    set_mode(monkeypatch, mode)
+def test_prepare_never_measures_in_cache_or_off_mode(monkeypatch, mode):
     calls: list = []
-    cands = install_fake_tuning(monkeypatch, calls)
+    cands, runtime = install_fake_tuning(monkeypatch, calls)
     key = gs.shape_key(256, 384, 2)
-    gs.merge_entries(None, gs.env_info(), {key: entry("fast", {}, names=list(cands))})
-    got = gs.prepare_model(fake_model([(256, 384)]), max_m=4)
+    gs.merge_entries(None, runtime.info, {key: entry("fast", {}, names=list(cands))})
+    got = gs.prepare_shapes([(256, 384)], request(mode, max_m=4), runtime)
     assert calls == []
-    assert got == ({} if mode == "off" else {key: gs.env_entries(gs.load_cache(), gs.env_info())[key]})
+    assert got == ({} if mode == "off" else {key: gs.load_entries(runtime.info)[key]})
+    assert gs.select(2, 256, 384) == (gs.DEFAULT if mode == "off" else "fast")
 
 
-def test_prepare_model_zero_budget_keeps_sglang(monkeypatch, shapes_on_cpu):
-    set_mode(monkeypatch, "auto", budget=0.0)
+def test_prepare_zero_budget_keeps_sglang(monkeypatch):
     calls: list = []
-    install_fake_tuning(monkeypatch, calls)
-    assert gs.prepare_model(fake_model([(256, 384)]), max_m=4) == {} and calls == []
+    _, runtime = install_fake_tuning(monkeypatch, calls)
+    assert gs.prepare_shapes([(256, 384)], request("auto", budget=0.0, max_m=4), runtime) == {} and calls == []
 
 
-def test_prepare_model_unwritable_cache_keeps_choices(monkeypatch, shapes_on_cpu, tmp_path, caplog):
-    set_mode(monkeypatch, "auto")
+def test_prepare_unwritable_cache_keeps_choices(monkeypatch, tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     monkeypatch.setenv(gs.ENV_CACHE, str(blocker / "sub" / "gemm_select.json"))  # parent is a file
     calls: list = []
-    cands = install_fake_tuning(monkeypatch, calls)
-    with caplog.at_level("WARNING", logger=gs.__name__):
-        got = gs.prepare_model(fake_model([(256, 384)]), max_m=2)
+    cands, runtime = install_fake_tuning(monkeypatch, calls)
+    with caplog.at_level("WARNING", logger=prepare_mod.__name__):
+        got = gs.prepare_shapes([(256, 384)], request("auto", max_m=2), runtime)
     assert len(got) == 2 and "could not write the cache" in caplog.text
-    assert gs.select(2, 256, 384, names=list(cands)) == "fast"
-
-
-def test_autotune_skips_alternatives_where_the_default_is_efficient():
-    last: list = []
-    new = gs.autotune([(256, 384)], max_m=4, candidates=make_fake_candidates(last), device="cpu",
-                      timer=fake_timer(last), log=lambda s: None, copy_gbs=1.0)  # default ~1 GB/s = ~100 %
-    assert sorted(new) == sorted(gs.shape_key(256, 384, b) for b in (1, 2, 4))
-    for e in new.values():
-        assert e["choice"] == gs.DEFAULT and list(e["us"]) == [gs.DEFAULT] and e["default_frac_copy_bw"] >= 0.7
-        assert set(e["skipped"]) == {"fast", "wrong", "nan", "broken"} and "copy bandwidth" in e["skipped"]["fast"]
-    assert set(last) == {gs.DEFAULT}
-    gs.merge_entries(None, INFO, new)  # complete entries: valid for the next start
-    assert gs.select(3, 256, 384, gs.env_entries(gs.load_cache(), INFO), list(make_fake_candidates([]))) == gs.DEFAULT
-
-
-def test_autotune_measures_least_efficient_defaults_first():
-    order: list = []
-
-    def exact(x, w, s, bias):
-        xq, xs = quant.quantize_activation_groups(x, 128)
-        return (quant.dequantize_activation_groups(xq, xs) @ quant.dequantize_blockwise(w, s).t()).to(x.dtype)
-
-    def alt(x, w, s, bias):
-        order.append(x.shape[0])
-        return exact(x, w, s, bias)
-
-    cands = {gs.DEFAULT: gs.Candidate(gs.DEFAULT, exact), "alt": gs.Candidate("alt", alt)}
-    default_us = {1: 10.0, 2: 30.0, 4: 20.0}  # efficiency falls as the time grows: M=2, then 4, then 1
-    seen_m = []
-
-    def timing(call, nrot, calls, reps):
-        n_before = len(order)
-        call(0)
-        if len(order) > n_before:  # an alternative ran
-            return 5.0
-        return default_us[seen_m[-1]]
-
-    real_inputs = gs._inputs
-
-    def inputs(m, k, ops, ctx):
-        seen_m.append(m)
-        return real_inputs(m, k, ops, ctx)
-
-    import unittest.mock as mock
-
-    with mock.patch.object(gs, "_inputs", inputs):
-        new = gs.autotune([(256, 384)], max_m=4, candidates=cands, device="cpu", timer=timing, log=lambda s: None,
-                          copy_gbs=1e9, min_gain=0.0)
-    # each alternative ran twice per entry (first call + timed call); the entries came least efficient first
-    assert order[::2] == [2, 4, 1]
-    assert all(e["choice"] == "alt" for e in new.values())
-
-
-def test_autotune_measures_num_sms_variants_only_where_the_default_is_far_off():
-    last: list = []
-    fake = make_fake_candidates(last)
-    exact, rows = fake["fast"].fn, []
-
-    def default(x, w, s, b):
-        rows.append(x.shape[0])
-        return fake[gs.DEFAULT].fn(x, w, s, b)
-
-    cands = {gs.DEFAULT: gs.Candidate(gs.DEFAULT, default), "fast": fake["fast"],
-             "variant": gs.Candidate("variant", lambda x, w, s, b: (last.append("fast"), exact(x, w, s, b))[1],
-                                     num_sms=100)}
-
-    def timer(call, nrot, calls, reps):  # the default takes 100 us at M=1 and 200 us at M=2; the others 40 us
-        call(0)
-        return (100.0 * rows[-1]) if last[-1] == gs.DEFAULT else 40.0
-
-    bw = gs.linear_bytes(1, 256, 384) / 100e-6 / 1e9 / 0.6  # the default reaches 60 % at M=1, ~30 % at M=2
-    todo = []
-    new = gs.autotune([(256, 384)], max_m=2, candidates=cands, device="cpu", timer=timer, log=lambda s: None,
-                      copy_gbs=bw, before_alternatives=todo.extend)
-    e1, e2 = new[gs.shape_key(256, 384, 1)], new[gs.shape_key(256, 384, 2)]
-    assert e1["default_frac_copy_bw"] == pytest.approx(0.6, abs=1e-3)
-    assert set(e1["us"]) == {gs.DEFAULT, "fast"} and "variant" in e1["skipped"]  # 60 %: variants not worth a JIT
-    assert e2["default_frac_copy_bw"] < gs.VARIANT_BELOW and set(e2["us"]) == {gs.DEFAULT, "fast", "variant"}
-    # phase 2's work, announced once before it starts, least efficient entry first
-    assert todo == [(256, 384, 2, ["fast", "variant"]), (256, 384, 1, ["fast"])]
+    assert gs.select(2, 256, 384) == "fast"

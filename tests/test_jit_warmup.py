@@ -2,8 +2,9 @@
 
 Covered here: the job plan (coarse-to-fine order, interleaved streams, what gemm_select asks for in each mode), the
 CUDA-graph token counts read from SGLang's own CudaGraphConfig, the worker pool with real worker processes running a
-fake job (every job once, failures, a dying worker, the timeout), the record of warmed jobs, and prepare_model's call.
-The DeepGEMM job itself and the startup it saves are measured on the GPU (scripts/bench_startup.py).
+fake job (every job once, failures, a dying worker, the timeout), the record of warmed jobs, how many workers fit in
+GPU memory (free memory injected), and preparation's call. The DeepGEMM job itself and the startup it saves are
+measured on the GPU (scripts/bench_startup.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from hypothesis import strategies as st
 
 from sglang_fp8rl.kernels import gemm_select as gs
 from sglang_fp8rl.kernels import jit_warmup as jw
-from sglang_fp8rl.server_args import ENV_VAR, Fp8rlOptions, parse_args
-from sglang_fp8rl.weight_sync.engine_hooks import ranks_on_node
+from sglang_fp8rl.kernels.deepgemm import DeepGemmFacts
+from sglang_fp8rl.kernels.gemm_select import prepare as prepare_mod
+from sglang_fp8rl.server_args import Fp8rlOptions, parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,6 +78,8 @@ def test_default_workers_share_the_cpus_between_ranks():
 
 
 def test_ranks_on_node():
+    from sglang_fp8rl.hooks.model_runner import ranks_on_node  # the engine hook's; imports SGLang's runtime
+
     assert ranks_on_node(types.SimpleNamespace(tp_size=4, pp_size=2, nnodes=2)) == 4
     assert ranks_on_node(types.SimpleNamespace(tp_size=2)) == 2
     assert ranks_on_node(None) == 1
@@ -86,17 +90,17 @@ def test_warmup_streams_per_mode():
     shapes = [(256, 384), (200, 384)]  # N=200 is not a DeepGEMM shape: SGLang runs Triton, nothing to warm
     capture = [1, 8, 88, 96, 512]
     # nothing measured, nothing to measure (off / cache without entries): the default at every captured M
-    assert gs.warmup_streams(shapes, capture, {}, set(), cands=cands) == {(256, 384, None): set(capture)}
+    assert gs.warmup_streams(shapes, capture, {}, set(), cands) == {(256, 384, None): set(capture)}
     # buckets to be measured add their measured point (the upper edge) to the default's launches
     keys = {gs.shape_key(256, 384, b) for b in (16, 96)}
-    assert gs.warmup_streams(shapes, capture, {}, keys, cands=cands) == {(256, 384, None): set(capture) | {16}}
+    assert gs.warmup_streams(shapes, capture, {}, keys, cands) == {(256, 384, None): set(capture) | {16}}
     # bucket 96 (M 81-96) cached on deepgemm_sms_112: that variant at the captured M of the bucket
     key96 = gs.shape_key(256, 384, 96)
-    got = gs.warmup_streams(shapes, capture, {key96: "deepgemm_sms_112"}, set(), cands=cands)
+    got = gs.warmup_streams(shapes, capture, {key96: "deepgemm_sms_112"}, set(), cands)
     assert got == {(256, 384, None): set(capture), (256, 384, 112): {88, 96}}
     # a bucket on our Triton kernel needs no DeepGEMM launch
     assert gs.warmup_streams(shapes, capture, {gs.shape_key(256, 384, 8): "fp8rl_n64_sk4"}, set(),
-                             cands=cands) == {(256, 384, None): set(capture)}
+                             cands) == {(256, 384, None): set(capture)}
 
 
 def test_variant_streams_cover_what_phase_2_measures_and_capture_launches():
@@ -229,7 +233,8 @@ def test_worker_loop_protocol():
 def test_load_runner_rejects_a_bad_spec():
     with pytest.raises(ValueError, match="module:function"):
         jw.load_runner("no_colon")
-    assert jw.load_runner("sglang_fp8rl.kernels.jit_warmup:deepgemm_job") is jw.deepgemm_job
+    assert jw.load_runner(jw.DEFAULT_RUNNER) is jw.deepgemm_job
+    assert jw.DEFAULT_RUNNER == "sglang_fp8rl.kernels.jit_worker:deepgemm_job"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -266,33 +271,71 @@ def test_warmed_jobs_tolerates_a_broken_record(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# prepare_model's call
+# how many workers fit in GPU memory
+
+GIB = jw.GIB
 
 
-def fake_model(n, k):
-    import torch
+@pytest.mark.parametrize(
+    "option, ranks, free, total, fraction, pre_load, expect",
+    [
+        (-1, 1, 70 * GIB, 80 * GIB, 0.7, 79 * GIB, 12),  # one engine, 8B model: the CPU count decides
+        (4, 1, 70 * GIB, 80 * GIB, 0.7, 79 * GIB, 4),  # an explicit count is an upper bound
+        (-1, 1, 31 * GIB, 80 * GIB, 0.5, 40 * GIB, 5),  # colocated trainer holds 40 GiB: (31 - 21) / 2 workers
+        (-1, 1, 31 * GIB, 80 * GIB, 0.5, None, 0),  # pre-load free unknown: the device total is the base
+        (-1, 1, 10 * GIB, 80 * GIB, 0.9, 12 * GIB, 3),  # (10 - 2.2) / 2
+        (-1, 1, 3 * GIB, 80 * GIB, 0.9, 12 * GIB, 0),  # less than one worker's memory above the reserve
+        (-1, 1, 70 * GIB, 80 * GIB, None, 79 * GIB, 0),  # mem_fraction_static unknown: no workers
+        (0, 1, 70 * GIB, 80 * GIB, 0.7, 79 * GIB, 0),  # warm-up off
+        (-1, 8, 70 * GIB, 80 * GIB, 0.7, 79 * GIB, 1),  # 8 ranks share 16 CPUs
+    ],
+)
+def test_decide_workers(option, ranks, free, total, fraction, pre_load, expect):
+    decision = jw.decide_workers(option, ranks, free, total, fraction, pre_load, cpus=16)
+    assert decision.workers == expect
+    assert decision.reserve_bytes == jw.engine_reserve_bytes(total, fraction, pre_load)
+    assert f"{expect} workers" in decision.describe()
 
-    from sglang_fp8rl import quant
 
-    model = torch.nn.Module()
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(torch.zeros(n, k, dtype=quant.FP8_DTYPE), requires_grad=False)
-    layer._fp8rl = types.SimpleNamespace(block_size=(128, 128), is_block=True)
-    model.add_module("l0", layer)
-    return model
+@given(free=st.integers(0, 200 * GIB), total=st.integers(1, 200 * GIB), pre=st.none() | st.integers(0, 200 * GIB),
+       fraction=st.none() | st.floats(0.05, 0.99), option=st.integers(-1, 20), cpus=st.integers(1, 256))
+@settings(max_examples=300, deadline=None)
+def test_workers_never_touch_what_the_engine_leaves_to_others(free, total, pre, fraction, option, cpus):
+    decision = jw.decide_workers(option, 1, free, total, fraction, pre, cpus=cpus)
+    assert 0 <= decision.workers <= decision.requested <= max(option, jw.MAX_WORKERS)
+    # the workers' memory comes out of free memory above the reserve: SGLang's non-KV share (pre-load free x
+    # (1 - mem_fraction_static)) and the safety margin stay free
+    assert decision.workers == 0 or free - decision.workers * jw.WORKER_GPU_BYTES >= decision.reserve_bytes
+    base = total if pre is None else pre
+    if fraction is not None:
+        assert decision.reserve_bytes >= base * (1 - fraction) + jw.SAFETY_BYTES - 1
+    # and as many as fit are started
+    fit = max(0, (free - decision.reserve_bytes) // jw.WORKER_GPU_BYTES)
+    assert decision.workers == min(decision.requested, fit)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# preparation's call
+
+H100 = DeepGemmFacts(enabled=True, dispatch_is_deepgemm=True, sms=132)
+
+
+def runtime(free: int = 80 << 30, total: int = 80 << 30, facts: DeepGemmFacts = H100) -> gs.Runtime:
+    """This process as an H100 with SGLang's DeepGEMM default, the given free memory, a CPU bench (no timing)."""
+    return gs.Runtime(facts, gs.make_candidates(), gs.env_info(facts), gs.cache_path(),
+                      gpu_memory=lambda: (free, total), make_bench=lambda f: gs.Bench.create("cpu", f, timer=None))
+
+
+def request(mode: str, workers: int, **kw) -> gs.PrepareRequest:
+    kw.setdefault("mem_fraction_static", 0.9)
+    return gs.PrepareRequest(mode=mode, jit_workers=workers, **kw)
 
 
 @pytest.fixture
 def prepare_env(monkeypatch, tmp_path):
     monkeypatch.setenv(gs.ENV_CACHE, str(tmp_path / "gemm_select.json"))
     gs.reset_state()
-    monkeypatch.setattr(gs, "model_block_shapes", lambda model: [(256, 384)])
-    monkeypatch.setattr(gs, "_deepgemm_takes_default", lambda: True)
-    monkeypatch.setattr(jw, "default_workers", lambda ranks: 12 // ranks)
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 << 30, 80 << 30))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(jw, "default_workers", lambda ranks, cpus=None: 12 // ranks)
     calls = []
     monkeypatch.setattr(jw, "warm_up", lambda pool, streams, env: calls.append((pool.workers, streams))
                         or jw.WarmupResult())
@@ -302,39 +345,53 @@ def prepare_env(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("mode, workers, ranks, expect", [("off", -1, 1, 12), ("cache", 3, 1, 3), ("off", -1, 4, 3),
                                                           ("cache", 0, 1, None)])
-def test_prepare_model_warms_the_captured_sizes(monkeypatch, prepare_env, mode, workers, ranks, expect):
-    monkeypatch.setenv(ENV_VAR, Fp8rlOptions(gemm_select=mode, jit_workers=workers).to_json())
-    gs.prepare_model(fake_model(256, 384), capture_ms=[1, 8, 512], ranks_on_node=ranks)
+def test_prepare_warms_the_captured_sizes(prepare_env, mode, workers, ranks, expect):
+    gs.prepare_shapes([(256, 384)], request(mode, workers, capture_ms=(1, 8, 512), ranks_on_node=ranks), runtime())
     assert prepare_env == ([] if expect is None else [(expect, {(256, 384, None): {1, 8, 512}})])
 
 
-def test_prepare_model_auto_compiles_variants_before_phase_2(monkeypatch, prepare_env):
-    monkeypatch.setenv(ENV_VAR, Fp8rlOptions(gemm_select="auto", jit_workers=2).to_json())
+def test_prepare_auto_compiles_variants_before_phase_2(monkeypatch, prepare_env):
     seen = {}
 
-    def autotune(shapes, **kw):
-        seen.update(kw)
+    def autotune(shapes, candidates, settings, **kw):
+        seen.update(kw, settings=settings)
         kw["before_alternatives"]([(256, 384, 96, ["deepgemm_sms_124", "fp8rl_n64_sk4"])])
         return {}
 
-    monkeypatch.setattr(gs, "autotune", autotune)
-    gs.prepare_model(fake_model(256, 384), max_m=96, capture_ms=[8, 88], ranks_on_node=1)
+    monkeypatch.setattr(prepare_mod, "autotune", autotune)
+    gs.prepare_shapes([(256, 384)], request("auto", 2, max_m=96, capture_ms=(8, 88)), runtime())
     default = {8, 88} | set(gs.buckets_upto(96))  # captured M and every bucket's measured point
     assert prepare_env == [(2, {(256, 384, None): default}), (2, {(256, 384, 124): {88, 96}})]
-    assert seen["skip"] == {} and seen["max_m"] == 96
+    assert seen["skip"] == set() and seen["settings"].max_m == 96
 
 
-def test_prepare_model_limits_workers_by_free_gpu_memory(monkeypatch, prepare_env):
-    monkeypatch.setenv(ENV_VAR, Fp8rlOptions(gemm_select="off", jit_workers=8).to_json())
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (3 * jw.WORKER_GPU_BYTES, 80 << 30))
-    gs.prepare_model(fake_model(256, 384), capture_ms=[1])
+def test_prepare_limits_workers_by_free_gpu_memory(prepare_env):
+    reserve = jw.engine_reserve_bytes(80 << 30, 0.9)
+    gs.prepare_shapes([(256, 384)], request("off", 8, capture_ms=(1,)),
+                      runtime(free=reserve + 3 * jw.WORKER_GPU_BYTES + 1))
     assert [w for w, _ in prepare_env] == [3]
 
 
+def test_prepare_starts_no_worker_without_the_memory(prepare_env, caplog):
+    """A colocated trainer (or a second engine) holds the memory: no worker, one log line, SGLang compiles later."""
+    with caplog.at_level("INFO", logger=prepare_mod.__name__):
+        gs.prepare_shapes([(256, 384)], request("off", 8, capture_ms=(1,), mem_fraction_static=0.5,
+                                                pre_load_free_bytes=40 << 30), runtime(free=21 << 30))
+    assert prepare_env == []
+    lines = [r.getMessage() for r in caplog.records if "JIT warm-up: 0 workers" in r.getMessage()]
+    assert len(lines) == 1 and "during CUDA-graph capture" in lines[0]
+
+
+@pytest.mark.parametrize("facts", [DeepGemmFacts(), DeepGemmFacts(enabled=True, ue8m0=True, dispatch_is_deepgemm=True),
+                                   DeepGemmFacts(enabled=True, dispatch_is_deepgemm=False)],
+                         ids=["deepgemm_off", "ue8m0", "other_backend"])
+def test_prepare_warms_nothing_unless_sglang_runs_fp32_deepgemm(prepare_env, facts):
+    gs.prepare_shapes([(256, 384)], request("off", 8, capture_ms=(1,)), runtime(facts=facts))
+    assert prepare_env == []
+
+
 def test_jit_workers_option():
-    assert parse_args([]).jit_workers == -1
+    assert parse_args([]).jit_workers == jw.AUTO_WORKERS == -1
     assert parse_args(["--fp8rl-jit-workers", "4"]).jit_workers == 4
     with pytest.raises(ValueError, match="--fp8rl-jit-workers"):
         Fp8rlOptions(jit_workers=-2)
@@ -343,7 +400,7 @@ def test_jit_workers_option():
 
 
 def test_worker_module_runs_as_a_script(fake_runner):
-    """The real entry point (python -m sglang_fp8rl.kernels.jit_warmup) speaks the protocol."""
+    """The real entry point (python -m sglang_fp8rl.kernels.jit_worker) speaks the protocol."""
     import subprocess
 
     job = json.dumps(dataclasses.asdict(jw.Job(256, 384, 3))) + "\n"
@@ -352,3 +409,19 @@ def test_worker_module_runs_as_a_script(fake_runner):
     msgs = [json.loads(line) for line in out.splitlines()]
     assert msgs[0] == {"ready": True} and "s" in msgs[1] and len(msgs) == 2
     assert sys.executable == jw.worker_command(0)[0]
+
+
+def test_worker_run_as_a_script_pins_its_gpu(tmp_path):
+    """Run as ``python -m`` (the module is then __main__, and the runner a second import of it), the worker still
+    selects the GPU it was given: a rank's workers must not put their memory on another rank's GPU. CUDA is faked."""
+    import subprocess
+
+    log = tmp_path / "device"
+    code = ("import runpy, torch; torch.cuda.is_available = lambda: True; "
+            f"torch.cuda.set_device = lambda d: open({str(log)!r}, 'w').write(str(d)); "
+            "runpy.run_module('sglang_fp8rl.kernels.jit_worker', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code, "--device", "3", "--runner", jw.DEFAULT_RUNNER], input="",
+                         capture_output=True, text=True, timeout=120, check=True,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])))
+    assert json.loads(out.stdout.splitlines()[0]) == {"ready": True}
+    assert log.read_text() == "3"

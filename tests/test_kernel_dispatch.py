@@ -14,7 +14,6 @@ import textwrap
 
 import pytest
 import torch
-
 from triton_interpreter import run_under_interpreter
 
 from sglang_fp8rl import quant

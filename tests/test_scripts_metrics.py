@@ -584,6 +584,15 @@ def test_bench_startup_parses_the_warmup_and_capture_lines():
     assert BS.parse_log("")["capture_prefill_s"] is None and BS.parse_log("")["jit_warmup_s"] == 0.0
 
 
+def test_bench_startup_parses_the_worker_count_decision():
+    from sglang_fp8rl.kernels import gemm_select, jit_warmup
+
+    decision = jit_warmup.decide_workers(-1, 1, 30 << 30, 80 << 30, 0.5, 40 << 30, cpus=16)
+    log = "[2026-11-22 06:43:58] " + gemm_select.WORKERS_LOG % (decision.describe(), "")
+    assert (BS.parse_log(log)["jit_workers"], BS.parse_log(log)["jit_workers_requested"]) == (4, 12)
+    assert BS.parse_log("")["jit_workers"] is None
+
+
 def test_bench_startup_cold_caches_cover_every_jit_cache(tmp_path):
     env = BS.cache_env(str(tmp_path))
     assert set(env) == {"TRITON_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "FP8RL_GEMM_SELECT_CACHE", "TORCHINDUCTOR_CACHE_DIR",

@@ -6,7 +6,7 @@ dequantization multiplier). K must be a multiple of 128; M and N are free.
 
 Why a kernel of our own: decode GEMMs read every weight byte once for a handful of tokens, so they are bound by
 weight bandwidth. The shapes where SGLang's kernels stay well below that bound (the small qkv / o_proj GEMMs of a
-dense model, ``shared/research/gpu_gemm_micro.md``) want many small weight tiles in flight, not large M tiles:
+dense model, docs/RESULTS.md sec. 7) want many small weight tiles in flight, not large M tiles:
 
 * swap-AB: the weight tile is the MMA's M side (``BLOCK_N`` = 64 rows, the wgmma minimum) and the tokens are its N
   side (``BLOCK_M`` = 16..128), so a batch of 1..64 tokens wastes no MMA rows and no weight byte is read twice;

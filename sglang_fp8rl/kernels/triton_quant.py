@@ -31,6 +31,7 @@ These launchers do no validation: :mod:`sglang_fp8rl.kernels.dispatch` validates
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import torch
 import triton
@@ -307,7 +308,7 @@ def quantize_blockwise_launch(
     block_size: tuple[int, int],
     pow2: bool,
     flag: torch.Tensor | None = None,
-):
+) -> Any:
     """Launch the blockwise kernel on validated CUDA tensors; returns Triton's compiled kernel (or None if empty)."""
     n, k = x.shape
     bn, bk = block_size
@@ -354,7 +355,7 @@ def quantize_per_channel_launch(
     scale_out: torch.Tensor,
     pow2: bool,
     flag: torch.Tensor | None = None,
-):
+) -> Any:
     """Launch the per-channel kernel on validated CUDA tensors; returns Triton's compiled kernel (or None if empty)."""
     n, k = x.shape
     block_n, block_k, one_tile = per_channel_tile(n, k)

@@ -18,7 +18,9 @@ import os
 import pytest
 import torch
 
+from sglang_fp8rl.kernels import deepgemm
 from sglang_fp8rl.kernels import gemm_select as gs
+from sglang_fp8rl.kernels import jit_warmup as jw
 from sglang_fp8rl.layers.scheme import KNOWN_MODELS, Scheme, decision_table
 from sglang_fp8rl.quant import quantize_activation_groups
 
@@ -62,9 +64,7 @@ def candidates():
 def _compile_deepgemm_cases(cands):
     """DeepGEMM kernels of the cases below, compiled in parallel by the server's own warm-up (one per tile
     configuration, seconds each: serially they take most of the stage), and SGLang's precompile of every M off."""
-    from sglang_fp8rl.kernels import jit_warmup as jw
-
-    if not gs._deepgemm_takes_default():
+    if not deepgemm.detect().default_is_fp32_deepgemm:
         return lambda: None
     from sglang.srt.layers.deep_gemm_wrapper import compile_utils
 
@@ -72,7 +72,7 @@ def _compile_deepgemm_cases(cands):
     compile_utils._ENABLE_JIT_DEEPGEMM_PRECOMPILE = False
     shapes = SHAPES if FULL else sorted(DEEPGEMM_SHAPES)
     variants = [c.num_sms for c in cands.values() if c.needs_deepgemm] + [None]
-    streams = {(n, k, sms): MS for n, k in shapes for sms in variants if not (n % 64 or k % 128)}
+    streams = {(n, k, sms): MS for n, k in shapes for sms in variants if deepgemm.deepgemm_takes_shape(n, k)}
     with jw.WarmupPool(jw.default_workers(), torch.cuda.current_device(), env=jw.worker_env()) as pool:
         print(jw.warm_up(pool, streams, gs.env_key(gs.env_info())).summary())
 
@@ -87,15 +87,14 @@ def test_every_candidate_matches_float64(candidates, n, k):
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     wq, ws = gs.random_block_weight(n, k, "cuda", gen)
-    deepgemm_ok, ue8m0 = gs._deepgemm_flags()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    facts = deepgemm.detect()
     ran = []
     for m in MS:
         x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
         xq, xs = quantize_activation_groups(x, 128)
         ref = gs.block_scaled_reference(xq, xs, wq, ws)
         for name, c in candidates.items():
-            if gs.unsupported_reason(c, n, k, sms, deepgemm_ok, ue8m0):
+            if c.can_implement(n, k, facts):
                 continue
             if name.startswith("deepgemm") and not FULL and (n, k) not in DEEPGEMM_SHAPES:
                 continue

@@ -7,12 +7,14 @@ H100), one that loads a cached cubin takes milliseconds; the bound below (1 s) s
 
 from __future__ import annotations
 
+import os
+import textwrap
 import time
 
 import pytest
 import torch
 
-from sglang_fp8rl.kernels import gemm_select as gs
+from sglang_fp8rl.kernels import deepgemm
 from sglang_fp8rl.kernels import jit_warmup as jw
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +24,7 @@ CACHED_LAUNCH_S = 1.0
 
 @pytest.fixture(scope="module")
 def deepgemm_default():
-    if not gs._deepgemm_takes_default():
+    if not deepgemm.detect().default_is_fp32_deepgemm:
         pytest.skip("SGLang's block-FP8 dispatch on this GPU is not DeepGEMM")
 
 
@@ -53,3 +55,26 @@ def test_warm_up_compiles_in_workers_then_this_process_only_loads(deepgemm_defau
             deepgemm_w8a8_block_fp8_linear_with_fallback(x, weight, [128, 128], scale)
         torch.cuda.synchronize()
         assert time.monotonic() - t < CACHED_LAUNCH_S, f"M={m}: SGLang's call compiled a kernel the warm-up did not"
+
+
+DEVICE_RUNNER = textwrap.dedent('''
+    import os, torch
+
+    def run(job, state):
+        with open(os.environ["DEVICE_LOG"], "a") as f:
+            f.write(f"{torch.cuda.current_device()}\\n")
+    ''')
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_workers_run_on_the_rank_s_gpu(tmp_path):
+    """A rank on GPU 1 starts its workers on GPU 1 (their ~2 GB each must not land on another rank's GPU)."""
+    (tmp_path / "device_runner.py").write_text(DEVICE_RUNNER)
+    log = tmp_path / "devices.log"
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(jw.worker_env(), DEVICE_LOG=str(log),
+               PYTHONPATH=os.pathsep.join([str(tmp_path), repo, os.environ.get("PYTHONPATH", "")]))
+    with jw.WarmupPool(2, 1, timeout_s=120, runner="device_runner:run", env=env) as pool:
+        result = pool.run([jw.Job(256, 384, m) for m in (1, 2, 3)])
+    assert result.done == 3, result.summary()
+    assert set(log.read_text().split()) == {"1"}

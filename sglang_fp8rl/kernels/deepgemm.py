@@ -1,0 +1,117 @@
+"""What the block-FP8 GEMM code knows about SGLang's DeepGEMM path, in one place (GEMM selection and JIT warm-up).
+
+SGLang 0.5.17 dispatches a block-FP8 linear with ``--fp8-gemm-backend auto`` (its default) to its DeepGEMM linear
+(``deepgemm_w8a8_block_fp8_linear_with_fallback``) when DeepGEMM is enabled (``SGLANG_ENABLE_JIT_DEEPGEMM``, on by
+default on Hopper and Blackwell with deep_gemm installed). That linear runs DeepGEMM only for weights with
+N % 64 == 0 and K % 128 == 0 and silently runs SGLang's Triton block GEMM otherwise. Where DeepGEMM wants UE8M0
+scales (Blackwell) the float32-scale launches of this package do not apply.
+
+SGLang is imported on first use only, here and nowhere else in ``kernels/``: its import takes seconds (25-35 s on an
+H100 machine), and the JIT warm-up workers and the scripts import these modules without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from types import ModuleType
+
+import torch
+
+PRECOMPILE_ENV = "SGLANG_JIT_DEEPGEMM_PRECOMPILE"  # SGLang's "compile every M at the first call" switch
+AUTO_BACKEND = "auto"  # SGLang's --fp8-gemm-backend default; any other value is a backend the user named
+N_MULTIPLE = 64
+K_MULTIPLE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepGemmFacts:
+    """SGLang's DeepGEMM decisions in this process, and the device's SM count (the bound of a ``num_sms``)."""
+
+    enabled: bool = False  # SGLang's ENABLE_JIT_DEEPGEMM
+    ue8m0: bool = False  # DeepGEMM wants UE8M0 scales on this GPU
+    dispatch_is_deepgemm: bool = False  # SGLang's block-FP8 dispatch resolved to its DeepGEMM linear
+    sms: int = 0
+
+    def variant_blocker(self) -> str | None:
+        """Why a DeepGEMM variant of this package cannot run here, or None."""
+        if not self.enabled:
+            return "DeepGEMM disabled or missing"
+        if self.ue8m0:
+            return "DeepGEMM wants UE8M0 scales on this GPU"
+        return None
+
+    @property
+    def label(self) -> str:
+        """Short form for cache keys: off, ue8m0 or fp32 (measurements differ between the three)."""
+        return "off" if not self.enabled else ("ue8m0" if self.ue8m0 else "fp32")
+
+    @property
+    def default_is_fp32_deepgemm(self) -> bool:
+        """Whether SGLang's default block linear is DeepGEMM with float32 scales (what the JIT warm-up launches)."""
+        return self.dispatch_is_deepgemm and self.variant_blocker() is None
+
+
+def deepgemm_takes_shape(n: int, k: int) -> bool:
+    """Whether SGLang runs DeepGEMM for an [N, K] block weight (else it silently runs its Triton block GEMM)."""
+    return n % N_MULTIPLE == 0 and k % K_MULTIPLE == 0
+
+
+@functools.cache
+def sglang_fp8_utils() -> ModuleType:
+    """SGLang's ``fp8_utils`` (its block-FP8 linears and their dispatch), imported once on first use."""
+    from sglang.srt.layers.quantization import fp8_utils
+
+    return fp8_utils
+
+
+@functools.cache
+def sglang_deep_gemm_wrapper() -> ModuleType:
+    """SGLang's ``deep_gemm_wrapper`` (DeepGEMM flags, ``configure_deep_gemm_num_sms``), imported once on first use."""
+    from sglang.srt.layers import deep_gemm_wrapper
+
+    return deep_gemm_wrapper
+
+
+@functools.cache
+def sglang_fp8_kernel() -> ModuleType:
+    """SGLang's FP8 quantization kernels (its 1x128 activation quantizer), imported once on first use."""
+    from sglang.kernels.ops.quantization import fp8_kernel
+
+    return fp8_kernel
+
+
+def device_sms(device: torch.device | int | None = None) -> int:
+    """SM count of a CUDA device (the current one by default); 0 without CUDA."""
+    if not torch.cuda.is_available():
+        return 0
+    index = torch.cuda.current_device() if device is None else device
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def detect(device: torch.device | int | None = None) -> DeepGemmFacts:
+    """The facts as SGLang decided them in this process (all off where SGLang's DeepGEMM layer does not import)."""
+    sms = device_sms(device)
+    try:
+        wrapper = sglang_deep_gemm_wrapper()
+    except ImportError:
+        return DeepGemmFacts(sms=sms)
+    enabled = bool(getattr(wrapper, "ENABLE_JIT_DEEPGEMM", False))
+    ue8m0 = bool(getattr(wrapper, "DEEPGEMM_SCALE_UE8M0", False))
+    dispatch = False
+    if enabled:
+        utils = sglang_fp8_utils()
+        dispatch = utils.dispatch_w8a8_block_fp8_linear() is utils.deepgemm_w8a8_block_fp8_linear_with_fallback
+    return DeepGemmFacts(enabled=enabled, ue8m0=ue8m0, dispatch_is_deepgemm=dispatch, sms=sms)
+
+
+def candidate_errors() -> tuple[type[BaseException], ...]:
+    """What a failing GEMM launch raises (JIT/compile failures, bad launches, shape asserts): the caller counts it as
+    that launch's failure instead of stopping."""
+    errors: list[type[BaseException]] = [RuntimeError, ValueError, AssertionError, TypeError, NotImplementedError]
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+    except ImportError:  # no Triton on this platform: nothing of it can fail
+        return tuple(errors)
+    return (*errors, CompilationError, OutOfResources)

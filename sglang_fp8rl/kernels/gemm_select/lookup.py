@@ -1,0 +1,63 @@
+"""Apply-time lookup: the choices load-time preparation installed for this process, and the linear apply using them.
+
+Nothing installed (selection off, ``--fp8-gemm-backend`` named, nothing measured, or preparation not run) means
+SGLang's own dispatched linear for every call, with exactly the arguments SGLang's linear method passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from sglang_fp8rl.kernels.gemm_select.buckets import m_bucket, shape_key
+from sglang_fp8rl.kernels.gemm_select.candidates import BLOCK, DEFAULT, Candidate, default_linear, sglang_block_call
+
+
+@dataclasses.dataclass
+class Selection:
+    """This process's choices: shape key -> candidate name (never the default), and the candidates by name."""
+
+    choices: dict[str, str] = dataclasses.field(default_factory=dict)
+    candidates: dict[str, Candidate] = dataclasses.field(default_factory=dict)
+
+
+_ACTIVE = Selection()
+
+
+def install(choices: Mapping[str, str], candidates: Mapping[str, Candidate]) -> None:
+    """Make ``choices`` this process's selection (entries choosing the default are dropped: it is the fallback)."""
+    missing = {name for name in choices.values() if name != DEFAULT and name not in candidates}
+    if missing:
+        raise ValueError(f"gemm_select: choices name unknown candidates {sorted(missing)}")
+    _ACTIVE.choices = {key: name for key, name in choices.items() if name != DEFAULT}
+    _ACTIVE.candidates = dict(candidates)
+
+
+def installed() -> Selection:
+    """A copy of this process's selection."""
+    return Selection(dict(_ACTIVE.choices), dict(_ACTIVE.candidates))
+
+
+def reset_state() -> None:
+    """Forget the selection and SGLang's resolved dispatch (tests, or a process that prepares another model)."""
+    install({}, {})
+    default_linear.cache_clear()
+
+
+def select(m: int, n: int, k: int) -> str:
+    """Candidate name for (m, n, k) in this process: the installed choice of m's bucket, else the default."""
+    return _ACTIVE.choices.get(shape_key(n, k, m_bucket(m)), DEFAULT)
+
+
+def apply_selected(x: Any, weight: Any, weight_scale_inv: Any, bias: Any, default_fn: Callable,
+                   block_size: Sequence[int] = BLOCK) -> Any:
+    """The linear apply with selection: ``default_fn`` is SGLang's dispatched block linear (keyword signature).
+    Blocks other than 128x128 always take ``default_fn`` (the candidates and the cache assume 128x128)."""
+    if not _ACTIVE.choices or tuple(block_size) != BLOCK:
+        return sglang_block_call(default_fn, x, weight, weight_scale_inv, bias, block_size)
+    k = x.shape[-1]
+    name = select(x.numel() // k if x.numel() else 1, weight.shape[0], k)
+    if name == DEFAULT:
+        return sglang_block_call(default_fn, x, weight, weight_scale_inv, bias, block_size)
+    return _ACTIVE.candidates[name].fn(x, weight, weight_scale_inv, bias)
