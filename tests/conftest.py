@@ -1,4 +1,4 @@
-"""Test setup: CPU shims for real SGLang 0.5.17 (never shipped in the package), tiny checkpoints, a gloo world."""
+"""Test setup: the torchvision stand-in SGLang needs to import on CPU (sglang_fp8rl.cpu_runner), GPU-test skips."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import cpu_stubs  # noqa: E402
+from sglang_fp8rl.cpu_runner import install_cpu_stubs  # noqa: E402
 
-cpu_stubs.install_cpu_stubs()
+install_cpu_stubs()
 
 HAS_CUDA = False
 try:

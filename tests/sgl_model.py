@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from sglang_fp8rl.demo import random_state_dict, write_tokenizer  # noqa: F401  (shared with the demo)
+from sglang_fp8rl.demo_common import random_state_dict, write_tokenizer  # noqa: F401  (shared with the demo)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "sgl_worker.py")

@@ -1,4 +1,5 @@
-"""CPU-side pieces of `python -m sglang_fp8rl.demo` and `scripts/bench_update.py` (no server starts here)."""
+"""`python -m sglang_fp8rl.demo`: its CPU version end to end, the GPU version's pieces that run without a GPU
+(server flags, start-up progress from the log), and the CPU-side helpers of `scripts/bench_update.py`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from sglang_fp8rl import demo
+from sglang_fp8rl import demo, demo_common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -21,11 +22,11 @@ import bench_update  # noqa: E402
 def test_write_checkpoint(tmp_path):
     from safetensors.torch import load_file
 
-    dims = dict(demo.DEMO_DIMS, num_hidden_layers=2)
-    sd = demo.write_checkpoint(str(tmp_path), dims, seed=3)
+    dims = dict(demo_common.DEMO_DIMS, num_hidden_layers=2)
+    sd = demo_common.write_checkpoint(str(tmp_path), dims, seed=3)
     files = set(os.listdir(tmp_path))
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
-    config = json.load(open(tmp_path / "config.json"))
+    config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
     for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "head_dim",
               "vocab_size"):
@@ -44,37 +45,147 @@ def test_write_checkpoint(tmp_path):
 
 
 def test_random_state_dict_seeds_differ():
-    dims = dict(demo.DEMO_DIMS, num_hidden_layers=1, vocab_size=256)
-    a, b = demo.random_state_dict(dims, 0), demo.random_state_dict(dims, 1)
-    assert torch.equal(a["model.norm.weight"], demo.random_state_dict(dims, 0)["model.norm.weight"])
+    dims = dict(demo_common.DEMO_DIMS, num_hidden_layers=1, vocab_size=256)
+    a, b = demo_common.random_state_dict(dims, 0), demo_common.random_state_dict(dims, 1)
+    assert torch.equal(a["model.norm.weight"], demo_common.random_state_dict(dims, 0)["model.norm.weight"])
     assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], b["model.layers.0.mlp.up_proj.weight"])
 
 
-def test_no_cuda_exits_2_with_message(monkeypatch, capsys):
-    monkeypatch.setattr(demo, "cuda_available", lambda: False)
-    assert demo.main([]) == demo.EXIT_NO_CUDA == 2
-    err = capsys.readouterr().err
-    assert "needs a CUDA GPU" in err and "torch.cuda.is_available() is False" in err
+@pytest.mark.parametrize(("cuda", "argv", "version"), [(False, [], "cpu"), (True, ["--cpu"], "cpu"), (True, [], "gpu")])
+def test_main_picks_the_version(monkeypatch, cuda, argv, version):
+    """GPU where CUDA is available, else (or with --cpu) the CPU version; main returns that version's exit code."""
+    from sglang_fp8rl import demo_cpu, demo_gpu
 
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path of the module entry point")
-def test_module_entry_point_without_cuda():
-    r = subprocess.run([sys.executable, "-m", "sglang_fp8rl.demo"], capture_output=True, text=True, timeout=60,
-                       cwd=ROOT)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "needs a CUDA GPU" in r.stderr
+    monkeypatch.setattr(demo, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(demo_cpu, "run_cpu", lambda args: 10)
+    monkeypatch.setattr(demo_gpu, "run_gpu", lambda args: 20)
+    assert demo.main(argv) == {"cpu": 10, "gpu": 20}[version]
 
 
 def test_formatting():
-    text = demo.format_schemes({"counts": {"block": 16, "channel": 0, "bf16": 0}, "exceptions": {}},
+    text = demo_common.format_schemes({"counts": {"block": 16, "channel": 0, "bf16": 0}, "exceptions": {}},
                                ["[fp8rl] fp8_online_blockwise: linear layers block=16\n"])
     assert "block=16" in text and "exceptions: none" in text and "[fp8rl]" in text
-    assert "no fp8rl telemetry" in demo.format_schemes(None, [])
-    line = demo.format_update({"index": 1, "ok": True, "message": "ok", "tensors": 47, "bytes": 2 << 20,
+    assert "no fp8rl telemetry" in demo_common.format_schemes(None, [])
+    line = demo_common.format_update({"index": 1, "ok": True, "message": "ok", "tensors": 47, "bytes": 2 << 20,
                                "validate_s": 0.01, "apply_s": 0.002, "fp8_layers_written": {"block": 16},
                                "bf16_params_written": 15})
     assert "#1" in line and "2.0 MiB" in line and "block=16" in line
-    assert demo.format_update(None) == "last update: none recorded"
+    assert demo_common.format_update(None) == "last update: none recorded"
+
+
+# a cold start of the GPU demo as SGLang 0.5.17 and this plugin log it (wording from their sources)
+SERVER_LOG = """\
+[2026-11-22 06:40:24] server_args=ServerArgs(model_path='/tmp/m', quantization='fp8_online_blockwise')
+[2026-11-22 06:40:51] Init torch distributed begin.
+[2026-11-22 06:40:52] Init torch distributed ends. elapsed=0.61 s, mem usage=0.00 GB
+[2026-11-22 06:40:53] Load weight begin. avail mem=78.50 GB
+[2026-11-22 06:40:54] [fp8rl] fp8_online_blockwise: linear layers block=16, channel=0, bf16=0
+[2026-11-22 06:40:54] Load weight end. elapsed=0.80 s, type=Qwen3ForCausalLM, avail mem=78.40 GB, mem usage=0.10 GB.
+[2026-11-22 06:40:54] [fp8rl] weight updates of this model are validated and re-quantized in place
+[2026-11-22 06:41:06] [fp8rl] DeepGEMM JIT warm-up for 1 CUDA-graph token counts: 4/4 launches by 4 workers in 11.2 s
+[2026-11-22 06:41:07] Memory pool end. avail mem=60.10 GB
+[2026-11-22 06:41:08] Capture target decode CUDA graph begin. backend=full, num_tokens_per_req=1, bs=[1], avail mem=60.1
+Capturing batches (bs=1 avail_mem=60.05 GB): 100%|##########| 1/1 [00:19<00:00, 19.0s/it]
+[2026-11-22 06:41:27] Capture target decode CUDA graph end. elapsed=19.02 s, mem usage=0.05 GB, avail mem=60.05 GB.
+[2026-11-22 06:41:40] The server is fired up and ready to roll!
+"""
+
+
+def stamp(text: str) -> float:
+    from datetime import datetime
+
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S").timestamp()
+
+
+def test_startup_phases_from_a_server_log(tmp_path):
+    """Every phase mark of a start is found, timed from the log's own timestamps, and described in the table."""
+    from sglang_fp8rl.startup_phases import StartupWatcher, phase_table
+
+    log = tmp_path / "server.log"
+    lines = SERVER_LOG.splitlines(keepends=True)
+    watcher = StartupWatcher(str(log), launched_at=stamp("2026-11-22 06:40:00"))
+    assert watcher.doing_now().startswith("launcher")
+    log.write_text("".join(lines[:5]) + lines[5][:20])  # the server is writing line 6 right now
+    first = watcher.poll(now=stamp("2026-11-22 06:40:54"))
+    assert [e.at for e in first] == [24, 51, 53]
+    assert "loading the BF16 weights" in watcher.doing_now()
+    log.write_text("".join(lines))
+    rest = watcher.poll(now=stamp("2026-11-22 06:41:41"))
+    assert [e.at for e in rest] == [54, 66, 67, 68, 87, 100]  # line 6 counted once, complete
+    assert watcher.poll(now=stamp("2026-11-22 06:41:42")) == []
+    assert watcher.doing_now() == "answering the first /health_generate"
+    table = phase_table(watcher.events, ready_at=102.4, ready_what="first /health_generate")
+    rows = table.splitlines()[2:]
+    assert rows[0] == "| 24 | 24 | launcher: Python start and SGLang import |"
+    assert rows[1] == "| 51 | 27 | scheduler process: start and SGLang import |"
+    assert "| 66 | 12 | DeepGEMM JIT warm-up (parallel nvcc compiles): DeepGEMM JIT warm-up for 1 CUDA-graph" in rows[4]
+    assert rows[7] == "| 87 | 19 | decode CUDA-graph capture (with kernel JIT) |"
+    assert rows[-1] == "| 102 | 2 | first /health_generate |"
+    assert sum(int(r.split("|")[2]) for r in rows) == 102
+
+
+def test_startup_watcher_without_timestamps(tmp_path):
+    """A mark without a timestamp is placed when it was read; times never run backwards; no log yet is no event."""
+    from sglang_fp8rl.startup_phases import StartupWatcher
+
+    log = tmp_path / "server.log"
+    watcher = StartupWatcher(str(log), launched_at=1000.0)
+    assert watcher.poll(now=1001.0) == []
+    log.write_text("Load weight end. elapsed=1 s\n[2026-11-22 06:40:51] Memory pool end. avail mem=1 GB\n")
+    events = watcher.poll(now=1030.0)
+    assert [e.at for e in events] == [30.0, 30.0]  # the stamp lies before the first event: clamped
+    assert watcher.last_line.startswith("Memory pool end")
+
+
+@pytest.mark.slow
+def test_gpu_server_flags_parse_with_sglang(tmp_path):
+    """The GPU demo's launch flags are valid for SGLang 0.5.17 with the plugin: decode graphs for bs 1 only, no
+    prefill graphs, gemm_select off, one JIT worker per linear shape; --server-args come last and win."""
+    from sglang_fp8rl import demo_gpu
+
+    model = str(tmp_path / "model")
+    demo_common.write_config(model, demo_common.DEMO_DIMS)
+    cmd = demo_gpu.server_command(model, 30030, 0.2, ["--fp8rl-jit-workers", "0"])
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] and cmd[-2:] == ["--fp8rl-jit-workers", "0"]
+    code = f"""
+import json, os, sys
+from sglang_fp8rl.cpu_runner import install_cpu_stubs
+install_cpu_stubs()
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+from sglang_fp8rl.kernels.jit_warmup import capture_token_counts
+args = prepare_server_args({cmd[3:]!r} + ["--device", "cpu"])
+print("RESULT", json.dumps({{"capture": capture_token_counts(args), "options": json.loads(os.environ["FP8RL_OPTIONS"]),
+                            "prefill": args.cuda_graph_config.prefill.backend, "quant": args.quantization}}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "FP8RL_OPTIONS"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.split("RESULT ", 1)[1])
+    assert result["capture"] == [1] and result["prefill"] == "disabled" and result["quant"] == "fp8_online_blockwise"
+    assert result["options"]["gemm_select"] == "off" and result["options"]["jit_workers"] == 0
+
+
+@pytest.mark.slow
+def test_cpu_demo_runs_end_to_end():
+    """`python -m sglang_fp8rl.demo` on CPU: SGLang's ModelRunner loads the model in FP8, W1 goes through SGLang's
+    WeightUpdater into the same FP8 storage, and the greedy tokens change."""
+    argv = ["--cpu"] if torch.cuda.is_available() else []  # without CUDA the demo must pick the CPU version itself
+    r = subprocess.run([sys.executable, "-m", "sglang_fp8rl.demo", *argv], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, check=False)
+    out = r.stdout
+    assert r.returncode == 0, (out + r.stderr)[-6000:]
+    assert argv or "running the CPU version" in out
+    assert "linear layers per scheme: block=16, channel=0, bf16=0" in out
+    assert "[fp8rl] fp8_online_blockwise: linear layers block=16, channel=0, bf16=0" in out
+    assert "success=True" in out and "last update #1: ok=True" in out and "FP8 layers re-quantized: block=28" in out
+    assert "FP8 parameters updated in place (same storage): True; engine consistent: True; updates so far: 1" in out
+    before = json.loads(out.split("before (W0): ", 1)[1].splitlines()[0])
+    after = json.loads(out.split("after  (W1): ", 1)[1].splitlines()[0])
+    assert len(before) == len(after) == demo_common.NEW_TOKENS and before != after
+    assert "changed: True" in out
 
 
 def test_bench_update_helpers():
