@@ -55,13 +55,11 @@ def _add_quantization_method() -> None:
 
 
 def _register() -> None:
-    from sglang_fp8rl.server_args import install_server_args_hooks
     from sglang_fp8rl.hooks import install_hooks
 
     check_sglang_version()
     _add_quantization_choice()
     _add_quantization_method()
-    install_server_args_hooks()
     install_hooks()
 
 

@@ -226,7 +226,8 @@ def quantize_activation_groups(
     amax, division and clamping rules are those of the weights.
     """
     if x.dim() < 1 or group_size < 1:
-        raise ValueError(f"x must have a last dimension and group_size must be >= 1, got {tuple(x.shape)}, {group_size}")
+        raise ValueError(f"x must have a last dimension and group_size must be >= 1, got {tuple(x.shape)}, "
+                         f"{group_size}")
     check_finite(x, "x")
     k = x.shape[-1]
     groups = ceil_div(k, group_size)
@@ -237,7 +238,8 @@ def quantize_activation_groups(
     return q.view(x.shape), scale.view(*x.shape[:-1], groups)
 
 
-def dequantize_activation_groups(q: torch.Tensor, scale: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
+def dequantize_activation_groups(q: torch.Tensor, scale: torch.Tensor,
+                                 group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
     """float32 ``q * scale`` with one scale per token group."""
     k = q.shape[-1]
     return q.float() * scale.repeat_interleave(group_size, dim=-1)[..., :k]

@@ -15,14 +15,14 @@ import os
 import re
 from typing import Any, Sequence
 
+from sglang_fp8rl.kernels.deepgemm import PRECOMPILE_ENV as DEEPGEMM_PRECOMPILE_ENV
+from sglang_fp8rl.kernels.gemm_select import DEFAULT_BUDGET_S as DEFAULT_GEMM_TUNE_BUDGET_S
+from sglang_fp8rl.kernels.gemm_select import GEMM_SELECT_MODES
+from sglang_fp8rl.kernels.jit_warmup import AUTO_WORKERS as AUTO_JIT_WORKERS
 from sglang_fp8rl.quant import SCALE_FORMATS
 
 ENV_VAR = "FP8RL_OPTIONS"
-GEMM_SELECT_MODES = ("auto", "cache", "off")
-DEFAULT_GEMM_TUNE_BUDGET_S = 30.0  # load-time GEMM measurement budget (see kernels/gemm_select.py)
-AUTO_JIT_WORKERS = -1  # --fp8rl-jit-workers: -1 = one per CPU of this rank (kernels/jit_warmup.py), 0 = no warm-up
 QUANTIZATION_NAME = "fp8_online_blockwise"
-DEEPGEMM_PRECOMPILE_ENV = "SGLANG_JIT_DEEPGEMM_PRECOMPILE"
 _PARSER_MARK = "_fp8rl_options_added"
 
 
@@ -156,32 +156,6 @@ def options_from_namespace(args: argparse.Namespace) -> Fp8rlOptions:
         if value is not None:
             values[field.name] = tuple(value) if field.name == "ignore" else value
     return Fp8rlOptions(**values)
-
-
-def install_server_args_hooks() -> None:
-    """Extend SGLang's `ServerArgs.add_cli_args` / `from_cli_args` with our options (idempotent)."""
-    from sglang.srt.server_args import ServerArgs
-
-    if getattr(ServerArgs, _PARSER_MARK, False):
-        return
-    original_add = ServerArgs.add_cli_args
-    original_from = ServerArgs.from_cli_args.__func__
-
-    def add_cli_args_with_fp8rl(parser: argparse.ArgumentParser) -> None:
-        original_add(parser)
-        add_cli_args(parser)
-
-    def from_cli_args_with_fp8rl(cls, args: argparse.Namespace):
-        options = options_from_namespace(args)  # validate before SGLang starts any work
-        server_args = original_from(cls, args)
-        set_options(options)
-        if getattr(server_args, "quantization", None) == QUANTIZATION_NAME:
-            lazy_deepgemm_compile()
-        return server_args
-
-    ServerArgs.add_cli_args = staticmethod(add_cli_args_with_fp8rl)
-    ServerArgs.from_cli_args = classmethod(from_cli_args_with_fp8rl)
-    setattr(ServerArgs, _PARSER_MARK, True)
 
 
 def parse_args(argv: Sequence[str]) -> Fp8rlOptions:

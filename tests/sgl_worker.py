@@ -10,57 +10,24 @@ from __future__ import annotations
 import json
 import os
 import sys
-from array import array
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from sglang_fp8rl.cpu_runner import build_runner, install_cpu_stubs, new_request
 
-import cpu_stubs  # noqa: E402
-
-cpu_stubs.install_cpu_stubs()
+install_cpu_stubs()
 
 import torch  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 2, 99, 120, 7], [250, 3, 3, 64, 11]]
 
 
-def build_runner(model_dir: str, server_args: list[str], tp_rank: int = 0):
-    """SGLang's own CPU ModelRunner for MODEL_DIR (torch_native attention, no CUDA graphs)."""
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
-    import sglang.srt.layers.rotary_embedding.base as rope_base
-
-    rope_base._is_cpu = True  # else RotaryEmbedding imports vllm's op on an unknown platform
-    from sglang.benchmark.one_batch import load_model
-    from sglang.srt.entrypoints.engine import _set_envs_and_config
-    from sglang.srt.server_args import PortArgs, prepare_server_args
-
-    sa = prepare_server_args([
-        "--model-path", model_dir, "--device", "cpu", "--dtype", "bfloat16", "--mem-fraction-static", "0.05",
-        "--max-total-tokens", "512", "--cuda-graph-backend-decode=disabled", "--cuda-graph-backend-prefill=disabled",
-        *server_args,
-    ])
-    _set_envs_and_config(sa)
-    bench_runner, _ = load_model(sa, PortArgs.init_new(sa), tp_rank, tp_rank)
-    return bench_runner
-
-
 def logits_for(bench_runner, prompts=PROMPTS) -> list[torch.Tensor]:
     """Last-position logits of each prompt (one prefill each, fresh KV pool)."""
     from sglang.benchmark.one_batch import extend
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.sampling.sampling_params import SamplingParams
 
     out = []
     for rid, ids in enumerate(prompts):
         bench_runner.clear()
-        req = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", ids),
-                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
-        req.full_untruncated_fill_ids = req.origin_input_ids
-        req.logprob_start_len = -1
-        req.set_extend_range(0, len(ids))
-        _, logits, _ = extend([req], bench_runner.torch_runner)
+        _, logits, _ = extend([new_request(rid, ids, max_new_tokens=1)], bench_runner.torch_runner)
         out.append(logits[0].float().clone())
     return out
 
@@ -120,25 +87,29 @@ def scenario_updates(runner, extra: dict) -> dict:
 
 
 def scenario_leak(runner, extra: dict) -> dict:
-    """Many consecutive updates: live tensor count and allocated CPU bytes must not grow."""
+    """Many consecutive updates: live tensor count and the bytes they hold must not grow."""
     import gc
 
     model = runner.torch_runner.model
     updater = _updater(runner)
     request = torch.load(extra["requests"], weights_only=False)[0]["tensors"]
+    n = extra.get("n", 200)
 
-    def live_tensors() -> int:
+    def live() -> tuple[int, int]:
         gc.collect()
-        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tensors if t.device.type == "cpu"}
+        return len(tensors), sum(storages.values())
 
     counts = []
     ptrs_before = pointers(model)
-    for i in range(extra.get("n", 200)):
+    for i in range(n):
         ok, msg = updater.update_weights_from_tensor(request)
         assert ok, msg
-        if i in (9, extra.get("n", 200) - 1):
-            counts.append(live_tensors())
-    return {"live_tensors": counts, "ptrs_before": ptrs_before, "ptrs_after": pointers(model)}
+        if i in (9, n - 1):
+            counts.append(live())
+    return {"live": counts, "ptrs_before": ptrs_before, "ptrs_after": pointers(model)}
 
 
 def scenario_device_failure(runner, extra: dict) -> dict:
@@ -149,19 +120,19 @@ def scenario_device_failure(runner, extra: dict) -> dict:
     model = runner.torch_runner.model
     updater = _updater(runner)
     request = torch.load(extra["requests"], weights_only=False)[0]["tensors"]
-    real = linear.quantize_rows_into_layer
+    real = linear.write_incoming  # every write of an incoming tensor into an FP8 linear
     calls = {"n": 0}
 
-    def failing(layer, w, dst_rows):
+    def failing(*args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("simulated CUDA error: an illegal memory access was encountered")
-        return real(layer, w, dst_rows)
+        return real(*args)
 
-    linear.quantize_rows_into_layer = failing
+    linear.write_incoming = failing
     first = updater.update_weights_from_tensor(request)
     state_after_failure = {"consistent": engine_state().consistent, "reason": engine_state().inconsistent_reason}
-    linear.quantize_rows_into_layer = real
+    linear.write_incoming = real
     second = updater.update_weights_from_tensor(request)
     return {"first": first, "state_after_failure": state_after_failure, "second": second,
             "consistent_after_second": engine_state().consistent, "final_params": snapshot(model)}
@@ -209,8 +180,90 @@ def scenario_client(runner, extra: dict) -> dict:
             "ptrs_after": pointers(model)}
 
 
+def scenario_tp_fault(runner, extra: dict) -> dict:
+    """Rank-local failures on TP rank 1 only: (a) validation runs out of memory, (b) a device error while writing;
+    then (c) a complete update. Every rank records its answers, parameters and engine state after each request."""
+    import sglang_fp8rl.hooks.weight_updater as hooks_updater
+    import sglang_fp8rl.layers.linear as linear
+    from sglang_fp8rl.weight_sync.update import engine_state
+
+    model = runner.torch_runner.model
+    updater = _updater(runner)
+    request = torch.load(extra["requests"], weights_only=False)[0]["tensors"]
+    faulty = extra["tp_rank"] == 1
+    out = {"params_before": snapshot(model), "steps": []}
+
+    def step(name: str) -> None:
+        answer = updater.update_weights_from_tensor(request)
+        out["steps"].append({"name": name, "answer": answer, "params": snapshot(model),
+                             "consistent": engine_state().consistent, "dirty": sorted(engine_state().dirty)})
+
+    real_validate, real_write = hooks_updater.validate_request, linear.write_incoming
+    if faulty:
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("simulated: out of memory in the dry-run scratch")
+        hooks_updater.validate_request = out_of_memory
+    step("validation_oom")
+    hooks_updater.validate_request = real_validate
+    calls = {"n": 0}
+    if faulty:
+        def failing(*args):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("simulated CUDA error: an illegal memory access was encountered")
+            return real_write(*args)
+        linear.write_incoming = failing
+    step("write_error")
+    linear.write_incoming = real_write
+    step("complete")
+    return out
+
+
+def scenario_atomic(runner, extra: dict) -> dict:
+    """All-or-nothing steps with the trainer client: a step whose last bucket the engine refuses, then a good one."""
+    from sglang_fp8rl.weight_sync.client import WeightPushError, push_state_dict
+    from sglang_fp8rl.weight_sync.update import engine_state
+
+    model = runner.torch_runner.model
+    engine = RunnerEngine(runner)
+    requests = []
+    send = engine.update_weights_from_tensor
+
+    def logged(named_tensors, load_format=None, flush_cache=True):
+        requests.append({"load_format": load_format, "names": [n for n, _ in named_tensors]})
+        return send(named_tensors, load_format=load_format, flush_cache=flush_cache)
+
+    engine.update_weights_from_tensor = logged
+    sd = torch.load(extra["state_dict"], weights_only=False)
+    before = snapshot(model)
+    bad = dict(sd)
+    bad["model.layers.0.mlp.nope.weight"] = torch.ones(2, 2, dtype=torch.bfloat16)  # last: passes the client
+    writes = engine_state().writes
+    try:
+        push_state_dict(engine, bad, bucket_bytes=extra["bucket_bytes"])
+        bad_error = None
+    except WeightPushError as e:
+        bad_error = str(e)
+    writes_after_bad = engine_state().writes - writes
+    after_bad = snapshot(model)
+    requests.clear()
+    good_answers = push_state_dict(engine, sd, bucket_bytes=extra["bucket_bytes"])
+    return {"before": before, "bad_error": bad_error, "writes_after_bad": writes_after_bad, "after_bad": after_bad,
+            "good_answers": good_answers, "after_good": snapshot(model),
+            "last_request_names": requests[-1]["names"], "formats": [r["load_format"] for r in requests]}
+
+
+def scenario_malformed(runner, extra: dict) -> dict:
+    """The malformed-request suite (tests/malformed_cases.py), every case in this one process."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from malformed_runner import run_all
+
+    return run_all(runner, extra)
+
+
 SCENARIOS = {"client": scenario_client, "load": scenario_load, "updates": scenario_updates, "leak": scenario_leak,
-             "device_failure": scenario_device_failure}
+             "device_failure": scenario_device_failure, "malformed": scenario_malformed,
+             "tp_fault": scenario_tp_fault, "atomic": scenario_atomic}
 
 
 def main() -> None:

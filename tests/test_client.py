@@ -60,3 +60,97 @@ def test_push_state_dict_to_an_engine(tmp_path):
     assert_same_params(out["final_params"], cold["params"])
     assert out["ptrs_before"] == out["ptrs_after"]
     assert issubclass(WeightPushError, RuntimeError)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# payload pickling and the distributed transport
+
+
+def test_cpu_tensors_pickle_after_sglangs_global_patch(tmp_path):
+    """SGLang's client patch of torch's reductions breaks the pickling of CPU tensors for the rest of the process
+    (a CPU push after a CUDA push, or a mixed bucket); ours is private to its pickler. Run in a fresh process: the
+    patch is process-global."""
+    import subprocess
+    import sys
+
+    code = (
+        "from sglang_fp8rl.cpu_runner import install_cpu_stubs; install_cpu_stubs()\n"
+        "import torch\n"
+        "from sglang.srt.utils import MultiprocessingSerializer\n"
+        "from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions\n"
+        "from sglang_fp8rl.weight_sync.client import serialize_for_ranks\n"
+        "monkey_patch_torch_reductions()\n"
+        "named = [('a', torch.randn(3, 5)), ('b', torch.randn(4).bfloat16())]\n"
+        "back = MultiprocessingSerializer.deserialize(serialize_for_ranks(named, 1)[0])\n"
+        "assert all(torch.equal(x, y) for (_, x), (_, y) in zip(back, named))\n"
+        "from torch.multiprocessing import reductions\n"
+        "assert reductions.reduce_tensor.__name__ == '_reduce_tensor_modified'  # we left SGLang's patch alone\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_preflight_refuses_before_anything_is_sent():
+    from sglang_fp8rl.weight_sync.client import push_distributed, push_state_dict
+
+    class Target:
+        calls = 0
+
+        def update_weights_from_tensor(self, *args, **kwargs):
+            self.calls += 1
+            return True, "ok"
+
+        update_weights_from_distributed = update_weights_from_tensor
+
+    target = Target()
+    good = {"a": torch.zeros(4, dtype=torch.bfloat16)}
+    for bad, words in [({"b": torch.full((3,), float("nan"))}, "b: contains NaN/Inf"),
+                       ({"b": torch.zeros(3, dtype=torch.float64)}, "b: torch.float64 is not accepted"),
+                       ({"b": torch.zeros(3, dtype=torch.float8_e5m2)}, "float8_e5m2")]:
+        for push in (push_state_dict, push_distributed):
+            args = (target, {**good, **bad}) if push is push_state_dict else (target, {**good, **bad}, None)
+            with pytest.raises(WeightPushError, match=words):
+                push(*args, bucket_bytes=8)  # the bad tensor is in the second bucket
+    assert target.calls == 0
+
+
+@pytest.fixture
+def fake_engine():
+    import subprocess
+    import sys
+    import time
+
+    import requests
+    from conftest import HERE, free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, f"{HERE}/fake_engine.py", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            requests.post(url + "/ping", json={}, timeout=1)
+            break
+        except requests.ConnectionError:
+            time.sleep(0.1)
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_distributed_push_end_to_end_with_an_engine_rejection(fake_engine):
+    """init_update_group joins the trainer's side concurrently with the engine's request and returns the group (the
+    documented call order used to deadlock); buckets are broadcast; an engine rejection (HTTP 400) reaches the
+    caller as WeightPushError with the engine's message (it used to be lost in the request thread)."""
+    from conftest import free_port
+
+    from sglang_fp8rl.weight_sync.client import init_update_group, push_distributed
+
+    group = init_update_group(fake_engine, "127.0.0.1", free_port(), world_size=2, group_name="fp8rl_client",
+                              backend="gloo", timeout=60)
+    weights = {"a": torch.ones(4, dtype=torch.bfloat16), "b": torch.full((2, 3), 2.0)}
+    answers = push_distributed(fake_engine, weights, group, group_name="fp8rl_client", bucket_bytes=8, timeout=60)
+    assert [a["message"] for a in answers] == ["sums [4.0]", "sums [12.0]"]
+    with pytest.raises(WeightPushError, match="reject.me: refused by the engine"):
+        push_distributed(fake_engine, {"reject.me": torch.ones(2)}, group, group_name="fp8rl_client", timeout=60)

@@ -72,3 +72,37 @@ def test_tp2_update_equals_cold_slices_and_keeps_pointers(tp2):
         assert all(ok for ok, _ in result["answers"]), result["answers"]
         check_rank(result["final_params"], tp2["w1"], rank)
         assert result["ptrs_before"] == result["ptrs_after"]
+
+
+@pytest.fixture(scope="module")
+def tp2_fault(tmp_path_factory, tp2):
+    d = tmp_path_factory.mktemp("tp2fault")
+    write_checkpoint(str(d / "w0"), DIMS, seed=20)
+    requests = str(d / "req.pt")
+    torch.save([{"kind": "tensor", "tensors": list(tp2["w1"].items())}], requests)
+    return run_tp_workers("tp_fault", str(d / "w0"), str(d / "fault"), 2, *QUANT, extra={"requests": requests})
+
+
+def test_tp2_rank_local_validation_failure_rejects_on_every_rank(tp2_fault):
+    """Rank 1 runs out of memory while validating: both ranks answer 'rejected' naming rank 1, and neither wrote."""
+    for rank, result in enumerate(tp2_fault):
+        step = result["steps"][0]
+        ok, message = step["answer"]
+        assert not ok and "nothing was written" in message and "TP rank 1" in message and "out of memory" in message
+        for name, before in result["params_before"].items():
+            assert torch.equal(step["params"][name].view(torch.uint8), before.view(torch.uint8)), (rank, name)
+        assert step["consistent"]
+
+
+def test_tp2_rank_local_write_failure_marks_every_rank_inconsistent(tp2, tp2_fault):
+    """Rank 1 fails while writing: both ranks answer the partial failure and both refuse to serve, with the same
+    dirty tensors (every tensor of the request), although rank 0 wrote everything; a complete update then makes
+    both consistent and exact."""
+    for rank, result in enumerate(tp2_fault):
+        step = result["steps"][1]
+        ok, message = step["answer"]
+        assert not ok and "mix of old and new weights" in message and "TP rank 1" in message, message
+        assert not step["consistent"] and step["dirty"] == sorted(tp2["w1"])
+        complete = result["steps"][2]
+        assert complete["answer"][0] and complete["consistent"], complete["answer"]
+        check_rank(complete["params"], tp2["w1"], rank)

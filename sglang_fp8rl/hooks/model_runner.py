@@ -6,9 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-import torch
-
-from sglang_fp8rl.kernels import gemm_select, jit_warmup
+from sglang_fp8rl.kernels import deepgemm, gemm_select, jit_warmup
 from sglang_fp8rl.layers.linear import block_shapes
 from sglang_fp8rl.server_args import get_options
 from sglang_fp8rl.weight_sync.update import attach
@@ -22,12 +20,13 @@ def ranks_on_node(server_args: Any) -> int:
     return max(1, tp * pp // max(1, getattr(server_args, "nnodes", 1) or 1))
 
 
-def prepare_gemms(model: torch.nn.Module, server_args: Any) -> None:
+def prepare_gemms(runner: Any) -> None:
     """Compile and choose the block-FP8 GEMMs of the model's CUDA block shapes (nothing on CPU)."""
-    shapes = block_shapes(model)
+    shapes = block_shapes(runner.model)
     if not shapes:
         return
-    options = get_options()
+    options, server_args = get_options(), getattr(runner, "server_args", None)
+    pre_load_gib = getattr(runner, "pre_model_load_memory", None)  # SGLang records it in GiB
     gemm_select.prepare_model(
         shapes,
         mode=options.gemm_select,
@@ -35,7 +34,10 @@ def prepare_gemms(model: torch.nn.Module, server_args: Any) -> None:
         jit_workers=options.jit_workers,
         capture_ms=jit_warmup.capture_token_counts(server_args),
         ranks_on_node=ranks_on_node(server_args),
-        fp8_gemm_backend=getattr(server_args, "fp8_gemm_backend", "auto") or "auto",
+        # the ServerArgs field behind --fp8-gemm-backend
+        fp8_gemm_backend=getattr(server_args, "fp8_gemm_runner_backend", None) or deepgemm.AUTO_BACKEND,
+        mem_fraction_static=getattr(runner, "mem_fraction_static", None),
+        pre_load_free_bytes=int(pre_load_gib * (1 << 30)) if pre_load_gib else None,
     )
 
 
@@ -45,7 +47,7 @@ def wrap_load_model(original: Callable) -> Callable:
         result = original(self, *args, **kwargs)
         if attach(self.model):
             logger.info("[fp8rl] weight updates of this model are validated and re-quantized in place")
-            prepare_gemms(self.model, getattr(self, "server_args", None))
+            prepare_gemms(self)
         return result
 
     return load_model

@@ -53,13 +53,20 @@ def refusal_message() -> str:
     )
 
 
-def abort_queued_request(queue: list, rid: str, message: str) -> bool:
+def abort_queued_request(queues: list[list], rid: str, message: str) -> bool:
     """Finish a just-queued request with an error instead of running it (SGLang's own abort path)."""
-    for req in reversed(queue):
-        if req.rid == rid:
-            req.set_finish_with_abort(message)
-            return True
+    for queue in queues:
+        for req in reversed(queue):
+            if req.rid == rid:
+                req.set_finish_with_abort(message)
+                return True
     return False
+
+
+def request_queues(scheduler: Any) -> list[list]:
+    """Where a new request waits: the waiting queue, or the grammar queue while its grammar compiles."""
+    grammar_queue = getattr(getattr(scheduler, "grammar_manager", None), "grammar_queue", None)
+    return [scheduler.waiting_queue] + ([grammar_queue] if grammar_queue is not None else [])
 
 
 def wrap_generate(original: Callable) -> Callable:
@@ -70,7 +77,7 @@ def wrap_generate(original: Callable) -> Callable:
         if str(recv_req.rid).startswith(HEALTH_CHECK_RID_PREFIX):
             return None  # no answer: /health and /health_generate time out and report 503
         result = original(self, recv_req)
-        abort_queued_request(self.waiting_queue, recv_req.rid, refusal_message())
+        abort_queued_request(request_queues(self), recv_req.rid, refusal_message())
         return result
 
     return handle_generate_request

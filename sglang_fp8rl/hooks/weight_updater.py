@@ -1,113 +1,328 @@
-"""``WeightUpdater`` patches (the ModelRunner component behind every update endpoint).
+"""Every weight-update entry point of SGLang's ``WeightUpdater`` (and the payload decoding of ``TpModelWorker``),
+routed through :func:`sglang_fp8rl.weight_sync.guard.run` for models served with `fp8_online_blockwise`.
 
-Turn our rejections into ``(False, message)`` answers with an accurate message, validate flattened-bucket metadata
-before SGLang slices the buffer, and validate a disk checkpoint in a first streaming pass before SGLang's own pass
-writes anything.
+Per entry point, ``prepare`` obtains the request's tensors the way SGLang's own method does (unwrap CUDA IPC
+handles, slice a flattened bucket after checking its metadata, receive a broadcast, stream a checkpoint) and validates
+them; ``write`` runs the model's own loaders on the validated tensors. Formats whose writes cannot be validated
+(``load_format="direct"``, custom loader functions, unknown names) are refused with a message. Models that do not use
+this package take SGLang's methods unchanged.
 """
 
 from __future__ import annotations
 
 import copy
+import glob
 import logging
-from typing import Callable, Optional
+import os
+from typing import Any, Callable, Optional
 
+import safetensors
 import torch
 from sglang.srt.configs.load_config import LoadConfig
+from sglang.srt.model_executor.model_runner_components import weight_updater as sgl_updater
 from sglang.srt.model_loader.loader import DefaultModelLoader, get_model_loader
+from sglang.srt.model_loader.utils import set_default_torch_dtype
+from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
-from sglang_fp8rl.weight_sync.update import (
-    PartialUpdateError,
+from sglang_fp8rl.weight_sync import guard
+from sglang_fp8rl.weight_sync.fp8_payload import STEP_COMPLETE, attach_scales, pair_stream, split_control
+from sglang_fp8rl.weight_sync.update import apply_validated, is_attached, original_load_weights, validated_stream
+from sglang_fp8rl.weight_sync.validate import (
+    WIRE_DTYPES,
+    NamedTensors,
     UpdateRejected,
-    engine_state,
-    is_attached,
+    check_name,
+    validate_request,
     validate_stream,
 )
 
 logger = logging.getLogger(__name__)
 
-
-def answer_rejection(error: Exception) -> tuple[bool, str]:
-    """The (success, message) answer for an update we refused or that failed part-way."""
-    if isinstance(error, UpdateRejected):
-        return False, f"[fp8rl] update rejected, nothing was written, previous weights kept: {error}"
-    return False, f"[fp8rl] {error}"
+FLATTENED_BUCKET = "flattened_bucket"
+VALIDATE_ONLY = "fp8rl.validate"  # a (name, tensor) list to validate on every rank, writing nothing
+TENSOR_FORMATS = (None, FLATTENED_BUCKET, VALIDATE_ONLY)
 
 
-def wrap_update(original: Callable) -> Callable:
-    """update_weights_from_tensor / _distributed: our exceptions become (False, message)."""
-    def update(self, *args, **kwargs):
-        updates_before = engine_state().updates
-        try:
-            success, message = original(self, *args, **kwargs)
-        except (UpdateRejected, PartialUpdateError) as e:
-            return answer_rejection(e)
-        if not success and engine_state().updates > updates_before:
-            # SGLang's distributed path catches every exception and says "partially updated"; say what happened
-            last = engine_state().last
-            if last is not None and not last.ok:
-                rejected = UpdateRejected(last.message) if engine_state().consistent else PartialUpdateError(last.message)
-                return answer_rejection(rejected)
-        return success, message
+class UndecodablePayload(list):
+    """What ``TpModelWorker`` hands on when its rank's payload does not deserialize: rejected by the guard."""
 
-    return update
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
 
 
-def check_bucket_metadata(flattened: torch.Tensor, metadata: list) -> None:
-    """Reject a flattened bucket whose metadata does not fit its buffer (e.g. a truncated bucket)."""
-    size = flattened.numel() * flattened.element_size()
+# ---------------------------------------------------------------------------------------------------------------------
+# prepare and write, shared by the entry points
+
+
+def check_sglang_preconditions(updater: Any, op: str) -> None:
+    """SGLang's own refusals of online updates (weight cache, derived-weight caches), as rejections."""
+    error = sgl_updater._unsupported_derived_weight_cache_error()
+    if error is not None:
+        raise UpdateRejected(error)
+    updater._assert_weight_cache_inactive(op)
+
+
+def prepared_request(model: torch.nn.Module, named: NamedTensors, validate_only: bool = False) -> guard.Prepared:
+    """Validate a request of named tensors, pre-quantized FP8 and control entries included (nothing is written)."""
+    weights, control = split_control(named)
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights if isinstance(t, torch.Tensor))
+    validated = validate_request(model, original_load_weights(model), attach_scales(weights))
+    return guard.Prepared(validated, tensors=len(weights), bytes=nbytes, validate_only=validate_only,
+                          step_complete=STEP_COMPLETE in control)
+
+
+def writer(model: torch.nn.Module) -> Callable[[guard.Prepared], None]:
+    """Write a prepared request through the model's own loaders."""
+    return lambda prepared: apply_validated(model, original_load_weights(model), prepared.validated.to_load)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# tensors and flattened buckets
+
+
+def check_pairs(named_tensors: Any) -> list:
+    """A request must be a list of (name, tensor) pairs."""
+    if isinstance(named_tensors, UndecodablePayload):
+        raise UpdateRejected(named_tensors.message)
+    if not isinstance(named_tensors, (list, tuple)):
+        raise UpdateRejected(f"expected a list of (name, tensor) pairs, got {type(named_tensors).__name__}")
+    for item in named_tensors:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise UpdateRejected(f"expected (name, tensor) pairs, got an item {type(item).__name__} {item!r:.80}")
+    return list(named_tensors)
+
+
+def is_count(value: Any) -> bool:
+    """A non-negative int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_shape(shape: Any) -> bool:
+    """A list, tuple or torch.Size of non-negative ints."""
+    return isinstance(shape, (list, tuple, torch.Size)) and all(is_count(d) for d in shape)
+
+
+def check_bucket_metadata(flattened: Any, metadata: Any) -> list[FlattenedTensorMetadata]:
+    """Reject a flattened bucket whose metadata does not fit its buffer (truncated, misaligned, unknown dtype)."""
+    if not isinstance(flattened, torch.Tensor) or flattened.dim() != 1 or flattened.dtype != torch.uint8:
+        got = f"{flattened.dtype} of shape {tuple(flattened.shape)}" if isinstance(flattened, torch.Tensor) \
+            else type(flattened).__name__
+        raise UpdateRejected(f"flattened_tensor must be a 1-D uint8 tensor, got {got}")
+    if not isinstance(metadata, (list, tuple)) or not metadata:
+        raise UpdateRejected("a flattened bucket needs a non-empty metadata list")
+    size = flattened.numel()
+    checked = []
     for meta in metadata:
-        nbytes = int(torch.Size(meta.shape).numel()) * torch.empty((), dtype=meta.dtype).element_size()
-        if not 0 <= meta.start_idx <= meta.end_idx <= size:
-            raise UpdateRejected(
-                f"{meta.name}: bucket bytes [{meta.start_idx}, {meta.end_idx}) lie outside the {size}-byte buffer "
-                "(truncated bucket?)"
-            )
-        if meta.end_idx - meta.start_idx != nbytes:
-            raise UpdateRejected(
-                f"{meta.name}: bucket holds {meta.end_idx - meta.start_idx} bytes but shape {tuple(meta.shape)} "
-                f"of {meta.dtype} needs {nbytes}"
-            )
+        name = check_name(getattr(meta, "name", None))
+        dtype, shape = getattr(meta, "dtype", None), getattr(meta, "shape", None)
+        start, end = getattr(meta, "start_idx", None), getattr(meta, "end_idx", None)
+        if dtype not in WIRE_DTYPES:
+            raise UpdateRejected(f"{name}: bucket dtype {dtype!r} is not accepted (send bf16, fp16 or fp32 weights)")
+        if not is_shape(shape):
+            raise UpdateRejected(f"{name}: bucket shape {shape!r} is not a list of non-negative ints")
+        if not (is_count(start) and is_count(end) and start <= end <= size):
+            raise UpdateRejected(f"{name}: bucket bytes [{start}, {end}) lie outside the {size}-byte buffer "
+                                 "(truncated bucket?)")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = int(torch.Size(shape).numel()) * itemsize
+        if end - start != nbytes:
+            raise UpdateRejected(f"{name}: bucket holds {end - start} bytes but shape {tuple(shape)} of {dtype} "
+                                 f"needs {nbytes}")
+        if (flattened.storage_offset() + start) % itemsize:
+            raise UpdateRejected(f"{name}: bucket offset {start} is not aligned to {dtype} ({itemsize} bytes)")
+        checked.append(FlattenedTensorMetadata(name=name, shape=torch.Size(shape), dtype=dtype, start_idx=start,
+                                               end_idx=end, numel=end - start))
+    return checked
 
 
-def wrap_flattened_bucket(original: Callable) -> Callable:
-    """_update_weights_from_flattened_bucket: check the metadata before SGLang slices the buffer."""
-    def update_from_bucket(self, flattened_tensor_bucket_dict, *args, **kwargs):
-        if is_attached(self.get_model()):
-            check_bucket_metadata(
-                flattened_tensor_bucket_dict["flattened_tensor"], list(flattened_tensor_bucket_dict["metadata"])
-            )
-        return original(self, flattened_tensor_bucket_dict, *args, **kwargs)
+def tensors_of_bucket(bucket: Any) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of a flattened bucket (views into its buffer), after checking its metadata."""
+    if isinstance(bucket, UndecodablePayload):
+        raise UpdateRejected(bucket.message)
+    if not isinstance(bucket, dict) or "flattened_tensor" not in bucket or "metadata" not in bucket:
+        raise UpdateRejected("a flattened bucket must be a dict with 'flattened_tensor' and 'metadata'")
+    flattened = bucket["flattened_tensor"]
+    metadata = check_bucket_metadata(flattened, bucket["metadata"])
+    return FlattenedTensorBucket(flattened_tensor=flattened, metadata=metadata).reconstruct_tensors()
 
-    return update_from_bucket
+
+def tensors_of_request(updater: Any, named_tensors: Any, load_format: Optional[str]) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of an update_weights_from_tensor request, as SGLang's own method obtains them."""
+    if load_format not in TENSOR_FORMATS:
+        raise UpdateRejected(
+            f"load_format={load_format!r} is not accepted for a model served with fp8_online_blockwise: only "
+            f"{TENSOR_FORMATS} are validated before writing ('direct' and custom loaders write unchecked)"
+        )
+    monkey_patch_torch_reductions()  # what SGLang does first: CUDA IPC handles unpickle through it
+    if load_format == FLATTENED_BUCKET:
+        return tensors_of_bucket(named_tensors)
+    device = torch.get_device_module(updater.device).current_device()
+    named = []
+    for name, tensor in check_pairs(named_tensors):
+        if not isinstance(tensor, (torch.Tensor, sgl_updater.LocalSerializedTensor)):
+            raise UpdateRejected(f"{check_name(name)}: expected a torch.Tensor, got {type(tensor).__name__}")
+        named.append((name, sgl_updater._unwrap_tensor(tensor, tp_rank=updater.tp_rank, device=device)))
+    return named
 
 
-def validate_checkpoint_on_disk(updater, model_path: str, load_format: str,
-                                weight_name_filter: Optional[Callable[[str], bool]]) -> int:
+def wrap_update_from_tensor(original: Callable) -> Callable:
+    """WeightUpdater.update_weights_from_tensor, guarded."""
+    def update_weights_from_tensor(self, named_tensors, load_format=None):
+        model = self.get_model()
+        if not is_attached(model):
+            return original(self, named_tensors, load_format)
+
+        def prepare() -> guard.Prepared:
+            check_sglang_preconditions(self, "update_weights_from_tensor")
+            named = tensors_of_request(self, named_tensors, load_format)
+            return prepared_request(model, named, validate_only=load_format == VALIDATE_ONLY)
+
+        return guard.run(model, f"tensor/{load_format or 'list'}", prepare, writer(model))
+
+    return update_weights_from_tensor
+
+
+def wrap_deserialize_own_rank(original: Callable) -> Callable:
+    """TpModelWorker._deserialize_own_rank: an undecodable payload becomes a rejection, not a crash."""
+    def deserialize(self, serialized_named_tensors):
+        try:
+            return original(self, serialized_named_tensors)
+        except Exception as e:  # noqa: BLE001 - unpickling runs arbitrary payload code; nothing may reach the scheduler
+            if not is_attached(self.model_runner.model):
+                raise
+            return UndecodablePayload(f"the update payload of this rank does not deserialize: {type(e).__name__}: {e}")
+
+    return deserialize
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# broadcast from a trainer (update_weights_from_distributed)
+
+
+def check_distributed_metadata(names: Any, dtypes: Any, shapes: Any) -> list[tuple[str, torch.dtype, list[int]]]:
+    """(name, dtype, shape) per tensor to receive; every rank decides the same from the same metadata."""
+    if not all(isinstance(x, (list, tuple)) for x in (names, dtypes, shapes)) or not (
+            len(names) == len(dtypes) == len(shapes)) or not names:
+        raise UpdateRejected("names, dtypes and shapes must be non-empty lists of the same length")
+    out = []
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        name = check_name(name)
+        resolved = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
+        if resolved not in WIRE_DTYPES:
+            raise UpdateRejected(f"{name}: dtype {dtype!r} is not accepted (send bf16, fp16 or fp32 weights)")
+        if not is_shape(shape):
+            raise UpdateRejected(f"{name}: shape {shape!r} is not a list of non-negative ints")
+        out.append((name, resolved, list(shape)))
+    return out
+
+
+def receive(updater: Any, metadata: list[tuple[str, torch.dtype, list[int]]], group_name: str,
+            bucketed: bool) -> list[tuple[str, torch.Tensor]]:
+    """Receive the trainer's broadcast (rank 0 of the update group) into fresh tensors, as SGLang does."""
+    group = updater._model_update_group[group_name]
+    named = [(name, torch.empty(shape, dtype=dtype, device=updater.device)) for name, dtype, shape in metadata]
+    if bucketed:
+        bucket = FlattenedTensorBucket(named_tensors=named)
+        torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
+        return bucket.reconstruct_tensors()
+    handles = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for _, t in named]
+    for handle in handles:
+        handle.wait()
+    return named
+
+
+def wrap_update_from_distributed(original: Callable) -> Callable:
+    """WeightUpdater.update_weights_from_distributed, guarded."""
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None):
+        model = self.get_model()
+        if not is_attached(model):
+            return original(self, names, dtypes, shapes, group_name, load_format)
+
+        def prepare() -> guard.Prepared:
+            check_sglang_preconditions(self, "update_weights_from_distributed")
+            if load_format not in TENSOR_FORMATS:
+                raise UpdateRejected(f"load_format={load_format!r} is not accepted; use one of {TENSOR_FORMATS}")
+            if group_name not in self._model_update_group:
+                raise UpdateRejected(f"update group {group_name!r} does not exist (known: "
+                                     f"{sorted(self._model_update_group)}); call init_weights_update_group first")
+            metadata = check_distributed_metadata(names, dtypes, shapes)
+            return prepared_request(model, receive(self, metadata, group_name, load_format == FLATTENED_BUCKET))
+
+        return guard.run(model, f"distributed/{load_format or 'list'}", prepare, writer(model))
+
+    return update_weights_from_distributed
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# checkpoint on disk, and checkpoint-engine IPC
+
+
+def check_checkpoint_files(model_path: str) -> None:
+    """A local checkpoint folder exists and every safetensors file in it has a readable, complete header (a
+    truncated or corrupted file is named here, before SGLang's iterator fails somewhere inside it)."""
+    if os.path.isabs(model_path) and not os.path.isdir(model_path):
+        raise UpdateRejected(f"{model_path}: no such folder")
+    if not os.path.isdir(model_path):
+        return  # a model-hub id: SGLang downloads it first
+    for path in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
+        try:
+            with safetensors.safe_open(path, framework="pt"):
+                pass
+        except (safetensors.SafetensorError, OSError) as e:
+            raise UpdateRejected(f"{path}: not a complete safetensors file: {e}") from e
+
+
+def validate_checkpoint_on_disk(updater: Any, model_path: str, load_format: str,
+                                weight_name_filter: Optional[Callable[[str], bool]]) -> guard.Prepared:
     """Stream a checkpoint through validation with SGLang's own loader and weight iterator; nothing is written."""
+    check_checkpoint_files(model_path)
     model_config = copy.copy(updater.model_config)
     model_config.model_path = model_path
     loader = get_model_loader(LoadConfig(load_format=load_format), model_config)
     if not isinstance(loader, DefaultModelLoader):
-        return 0  # SGLang itself refuses this case with a clear message
+        raise UpdateRejected(f"load_format={load_format!r} gives SGLang's {type(loader).__name__}; disk updates "
+                             "support only its default loader")
     model = updater.get_model()
-    weights = loader._get_weights_iterator(DefaultModelLoader.Source.init_new(model_config, model))
-    if weight_name_filter is not None:
-        weights = ((name, w) for name, w in weights if weight_name_filter(name))
-    return validate_stream(model, weights)
+    with set_default_torch_dtype(model_config.dtype):
+        weights = loader._get_weights_iterator(DefaultModelLoader.Source.init_new(model_config, model))
+        if weight_name_filter is not None:
+            weights = ((name, w) for name, w in weights if weight_name_filter(name))
+        validated = validate_stream(model, original_load_weights(model), pair_stream(weights))
+    logger.info("[fp8rl] disk checkpoint %s validated (%d tensors); loading", model_path, len(validated.names))
+    return guard.Prepared(validated, tensors=len(validated.names), full=weight_name_filter is None)
 
 
 def wrap_update_from_disk(original: Callable) -> Callable:
-    """update_weights_from_disk: validate the whole checkpoint in a first pass."""
-    def update_from_disk(self, model_path, load_format, *args, **kwargs):
-        weight_name_filter = kwargs.get("weight_name_filter", args[0] if args else None)
-        if is_attached(self.get_model()):
-            try:
-                count = validate_checkpoint_on_disk(self, model_path, load_format, weight_name_filter)
-            except UpdateRejected as e:
-                return answer_rejection(e)
-            except (OSError, RuntimeError, ValueError) as e:
-                return False, f"[fp8rl] cannot read checkpoint {model_path!r}, nothing was written: {e}"
-            logger.info("[fp8rl] disk checkpoint %s validated (%d tensors); loading", model_path, count)
-        return original(self, model_path, load_format, *args, **kwargs)
+    """WeightUpdater.update_weights_from_disk, guarded: a full validating pass, then SGLang's own loading pass."""
+    def update_weights_from_disk(self, model_path, load_format, weight_name_filter=None, recapture_cuda_graph=False):
+        model = self.get_model()
+        if not is_attached(model):
+            return original(self, model_path, load_format, weight_name_filter, recapture_cuda_graph)
 
-    return update_from_disk
+        def prepare() -> guard.Prepared:
+            check_sglang_preconditions(self, "update_weights_from_disk")
+            return validate_checkpoint_on_disk(self, model_path, load_format, weight_name_filter)
+
+        def write(prepared: guard.Prepared) -> None:
+            with validated_stream():
+                ok, message = original(self, model_path, load_format, weight_name_filter, recapture_cuda_graph)
+            if not ok:
+                raise RuntimeError(message)
+
+        return guard.run(model, "disk", prepare, write, context=f"checkpoint {model_path!r}")
+
+    return update_weights_from_disk
+
+
+def wrap_update_from_ipc(original: Callable) -> Callable:
+    """WeightUpdater.update_weights_from_ipc: checkpoint-engine drives ``load_weights`` itself; the model's guard
+    validates each call rank-locally and the ranks agree on the outcome."""
+    def update_weights_from_ipc(self, recv_req):
+        model = self.get_model()
+        if not is_attached(model):
+            return original(self, recv_req)
+        return guard.run_unvalidated(model, "ipc", lambda: original(self, recv_req))
+
+    return update_weights_from_ipc

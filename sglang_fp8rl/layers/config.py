@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import collections
-import json
 import logging
-import os
 import re
 from typing import Any, Optional
 
 import torch
+from sglang.srt.layers.deep_gemm_wrapper import configurer as deep_gemm_configurer
 from sglang.srt.layers.linear import LinearBase, ReplicatedLinear
 from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
 from sglang.srt.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.server_args import get_global_server_args
+from sglang.srt.utils.hf_transformers.config import get_config
 
 from sglang_fp8rl.layers.linear import Fp8OnlineBlockwiseLinearMethod
 from sglang_fp8rl.layers.moe import Fp8OnlineBlockwiseMoEMethod
@@ -92,17 +92,31 @@ def layer_index(prefix: str) -> Optional[int]:
 
 
 def num_hidden_layers_of_served_model() -> int:
-    """``num_hidden_layers`` of the model this process serves (read from its config.json)."""
-    path = os.path.join(get_global_server_args().model_path, "config.json")
+    """``num_hidden_layers`` of the model this process serves, from the config SGLang loaded (local or model hub)."""
+    args = get_global_server_args()
     try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--fp8rl-bf16-last-layers needs num_hidden_layers, but {path} is unreadable: {e}") from e
-    config = config.get("text_config", config)
-    if "num_hidden_layers" not in config:
-        raise ValueError(f"--fp8rl-bf16-last-layers needs num_hidden_layers, which {path} does not define")
-    return int(config["num_hidden_layers"])
+        config = get_config(args.model_path, trust_remote_code=args.trust_remote_code, revision=args.revision)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--fp8rl-bf16-last-layers needs num_hidden_layers, but the config of {args.model_path!r} "
+                         f"does not load: {e}") from e
+    config = getattr(config, "text_config", None) or config
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int):
+        raise ValueError(f"--fp8rl-bf16-last-layers needs num_hidden_layers, which the config of {args.model_path!r} "
+                         "does not define")
+    return layers
+
+
+def refuse_unsupported_setup(server_args: Optional[Any]) -> None:
+    """ValueError, at start, for setups this method would serve wrongly: pipeline parallelism (each stage would
+    refuse every full update: it holds only its own layers) and DeepGEMM's UE8M0 scales (Blackwell), which our
+    float32 scales do not follow."""
+    if server_args is not None and (getattr(server_args, "pp_size", 1) or 1) > 1:
+        raise ValueError(f"--quantization {NAME} does not support pipeline parallelism (--pp-size "
+                         f"{server_args.pp_size}); serve with --tp-size instead")
+    if deep_gemm_configurer.DEEPGEMM_SCALE_UE8M0:
+        raise ValueError(f"--quantization {NAME} writes float32 block scales, but SGLang's DeepGEMM path on this GPU "
+                         "(Blackwell, SM100) expects UE8M0 scales; not supported yet")
 
 
 def bf16_reason(prefix: str, options: Fp8rlOptions, num_layers: Optional[int]) -> Optional[str]:
@@ -135,6 +149,7 @@ class Fp8OnlineBlockwiseConfig(QuantizationConfig):
 
     def __init__(self, options: Optional[Fp8rlOptions] = None, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE):
         super().__init__()
+        refuse_unsupported_setup(get_global_server_args())
         self.options = options if options is not None else get_options()
         # deliberately not named `weight_block_size`: SGLang's CPU path pads intermediate sizes of configs that have
         # one (configs/update_config.py), which would hide the per-channel fallback this package is built for

@@ -22,12 +22,18 @@ import torch
 from sglang_fp8rl.kernels.dispatch import new_nonfinite_flag, quantize_blockwise_into, quantize_per_channel_into
 from sglang_fp8rl.layers.placement import scale_rows
 from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision
+from sglang_fp8rl.quant import FP8_DTYPE, dequantize_blockwise
 
 # attribute of our FP8 parameters holding a loader twin that validates an incoming tensor without writing
 # (used by the weight-update dry run); it returns the owning layer's prefix
 CHECK_ATTR = "fp8rl_check"
 # attribute of a module quantized by this package that holds its Fp8LayerState
 STATE_ATTR = "_fp8rl"
+
+# attribute of FP8 codes sent pre-quantized (a trainer's checkpoint-format update): their block scales, the
+# [ceil(N/128), ceil(K/128)] float32 dequantization multipliers sent as `<name>_scale_inv` (weight_sync/fp8_payload.py)
+SCALE_ATTR = "fp8rl_scale_inv"
+UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # SGLang's dummy loader draws weights from U(-1e-3, 1e-3); never-loaded layers get the same distribution in BF16.
 DUMMY_WEIGHT_RANGE = 1e-3
@@ -99,6 +105,58 @@ def write_rows(state: Fp8LayerState, w: torch.Tensor, weight: torch.Tensor, scal
         quantize_per_channel_into(w, weight[dst_rows], scale[dst_rows], state.scale_format, nonfinite_flag=flag)
 
 
+def is_prequantized(t: torch.Tensor) -> bool:
+    """Whether ``t`` is FP8 E4M3 codes sent with their block scales."""
+    return t.dtype == FP8_DTYPE and getattr(t, SCALE_ATTR, None) is not None
+
+
+def dequantized_bf16(codes: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
+    """Pre-quantized codes as the BF16 weight they stand for: codes x their block's scale in float32, then BF16."""
+    return dequantize_blockwise(codes, getattr(codes, SCALE_ATTR), block_size).to(torch.bfloat16)
+
+
+def check_incoming_dtype(what: str, loaded: torch.Tensor) -> None:
+    """ValueError unless ``loaded`` is BF16/FP16/FP32, or FP8 E4M3 codes that came with their scales."""
+    if loaded.dtype not in UNQUANTIZED_DTYPES and not is_prequantized(loaded):
+        raise ValueError(f"{what}: expected a BF16/FP16/FP32 tensor, or float8_e4m3fn codes with their "
+                         f"weight_scale_inv in the same update; got {loaded.dtype}")
+
+
+def source_blocks(src_rows: slice, src_cols: slice, block_size: tuple[int, int]) -> tuple[slice, slice]:
+    """The block rows and columns of a sent scale that this rank's slice covers; ValueError unless the slice starts
+    on a block (a block split between ranks would need its codes re-quantized, which a fallback layer does)."""
+    bn, bk = block_size
+    if src_rows.start % bn or src_cols.start % bk:
+        raise ValueError(f"this rank's slice (rows {src_rows.start}.., cols {src_cols.start}..) does not start on a "
+                         f"{bn}x{bk} block of the sent codes")
+    return slice(src_rows.start // bn, -(-src_rows.stop // bn)), slice(src_cols.start // bk, -(-src_cols.stop // bk))
+
+
+def check_incoming(state: Fp8LayerState, loaded: torch.Tensor, src_rows: slice, src_cols: slice, dst_rows: slice,
+                   n_local: int) -> None:
+    """What :func:`write_incoming` checks before writing (the dry run's twin)."""
+    check_incoming_dtype(state.prefix, loaded)
+    if is_prequantized(loaded) and state.is_block:
+        source_blocks(src_rows, src_cols, state.block_size)
+        scale_rows(dst_rows, state.block_size[0], n_local)
+
+
+def write_incoming(state: Fp8LayerState, loaded: torch.Tensor, src_rows: slice, src_cols: slice,
+                   weight: torch.Tensor, scale: torch.Tensor, dst_rows: slice) -> None:
+    """Write this rank's slice of an incoming full tensor into rows ``dst_rows``: quantized from BF16/FP16/FP32, or,
+    for pre-quantized codes, copied as sent (block layers) or re-quantized from their BF16 value (fallback layers)."""
+    if not is_prequantized(loaded):
+        write_rows(state, loaded[src_rows, src_cols], weight, scale, dst_rows)
+    elif not state.is_block:
+        write_rows(state, dequantized_bf16(loaded, state.block_size)[src_rows, src_cols], weight, scale, dst_rows)
+    else:
+        block_rows, block_cols = source_blocks(src_rows, src_cols, state.block_size)
+        dst_blocks = scale_rows(dst_rows, state.block_size[0], weight.shape[0])
+        sent_scale = getattr(loaded, SCALE_ATTR)
+        weight[dst_rows].copy_(loaded[src_rows, src_cols])
+        scale[dst_blocks].copy_(sent_scale[block_rows, block_cols])
+
+
 def dummy_bf16(shape: tuple[int, ...], device: torch.device, key: str) -> torch.Tensor:
     """Deterministic U(-1e-3, 1e-3) BF16 values for a never-loaded weight, seeded by its name."""
     seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
@@ -109,8 +167,8 @@ def dummy_bf16(shape: tuple[int, ...], device: torch.device, key: str) -> torch.
 
 def refuse_scale(prefix: str, name: str, param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args,
                  **kwargs) -> None:
-    """Weight loader of our scale parameters (dense and MoE): scales are computed on the engine, never loaded."""
+    """Weight loader of our scale parameters (dense and MoE): scales come with their codes or from our quantizer."""
     raise ValueError(
-        f"{prefix}.{name}: fp8_online_blockwise computes FP8 scales from the BF16 weights; "
-        "the checkpoint or update must not contain scale tensors"
+        f"{prefix}.{name}: fp8_online_blockwise computes FP8 scales itself, or takes them only as "
+        "`<weight>_scale_inv` beside float8_e4m3fn codes of 128x128 blocks; this scale tensor is refused"
     )

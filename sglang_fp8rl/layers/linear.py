@@ -30,9 +30,12 @@ from sglang_fp8rl.kernels import gemm_select
 from sglang_fp8rl.layers.fp8_storage import (
     CHECK_ATTR,
     Fp8LayerState,
+    check_incoming,
+    check_incoming_dtype,
     dummy_bf16,
     layer_state,
     refuse_scale,
+    write_incoming,
     write_rows,
 )
 from sglang_fp8rl.layers.placement import ShardId, ShardPlacement, placement_for_layer
@@ -67,11 +70,12 @@ def shard_names(layer: torch.nn.Module, n_shards: int) -> list[str]:
 
 
 def block_shapes(model: torch.nn.Module, device_type: str = "cuda") -> list[tuple[int, int]]:
-    """(N, K) of every blockwise FP8 linear of ``model`` on this rank whose weight lives on ``device_type``."""
+    """(N, K) of every 128x128-block FP8 linear of ``model`` on this rank whose weight lives on ``device_type``."""
     shapes = set()
     for module in model.modules():
         state = layer_state(module)
-        if isinstance(state, LayerState) and state.is_block and module.weight.device.type == device_type:
+        if (isinstance(state, LayerState) and state.is_block and tuple(state.block_size) == gemm_select.BLOCK
+                and module.weight.device.type == device_type):
             shapes.add((int(module.weight.shape[0]), int(module.weight.shape[1])))
     return sorted(shapes)
 
@@ -83,51 +87,46 @@ def block_shapes(model: torch.nn.Module, device_type: str = "cuda") -> list[tupl
 def quantize_rows_into_layer(layer: torch.nn.Module, w: torch.Tensor, dst_rows: slice) -> None:
     """Quantize ``w`` (rows ``dst_rows`` of the local weight, full K_local) straight into the FP8 weight and scale."""
     state: LayerState = layer._fp8rl
-    scale = layer.weight_scale_inv if state.is_block else layer.weight_scale
-    write_rows(state, w, layer.weight.data, scale.data, dst_rows)
+    write_rows(state, w, layer.weight.data, _scale(layer).data, dst_rows)
     state.rows_loaded += dst_rows.stop - dst_rows.start
 
 
-def check_incoming_shape(layer: torch.nn.Module, placement: ShardPlacement, loaded: torch.Tensor,
-                         shard_id: ShardId) -> None:
-    """Raise ValueError (naming the layer and shard) if an incoming tensor has the wrong shape."""
-    if tuple(loaded.shape) != tuple(placement.full_shape):
-        shard = "" if shard_id is None else f" shard {shard_id!r}"
-        raise ValueError(
-            f"{layer._fp8rl.prefix}.weight{shard}: expected an unsharded tensor of shape {tuple(placement.full_shape)}, "
-            f"got {tuple(loaded.shape)}"
-        )
-
-
-def check_weight_shard(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
-                       loaded_shard_id: ShardId = None) -> str:
-    """Everything :func:`load_weight_shard` checks, without writing; returns the layer's prefix."""
-    placement_for_incoming(layer, loaded_weight, loaded_shard_id)
-    return layer._fp8rl.prefix
+def _scale(layer: torch.nn.Module) -> torch.nn.Parameter:
+    return layer.weight_scale_inv if layer._fp8rl.is_block else layer.weight_scale
 
 
 def placement_for_incoming(layer: torch.nn.Module, loaded_weight: torch.Tensor,
                            loaded_shard_id: ShardId) -> ShardPlacement:
     """This rank's placement of an incoming tensor, after checking its dtype and full shape."""
-    if not loaded_weight.is_floating_point() or loaded_weight.dtype == FP8_DTYPE:
-        raise ValueError(
-            f"{layer._fp8rl.prefix}.weight: expected a BF16/FP16/FP32 tensor, got {loaded_weight.dtype} "
-            "(fp8_online_blockwise quantizes on the engine; send unquantized weights)"
-        )
+    check_incoming_dtype(f"{layer._fp8rl.prefix}.weight", loaded_weight)
     placement = placement_for_layer(layer, loaded_shard_id)
-    check_incoming_shape(layer, placement, loaded_weight, loaded_shard_id)
+    if tuple(loaded_weight.shape) != tuple(placement.full_shape):
+        shard = "" if loaded_shard_id is None else f" shard {loaded_shard_id!r}"
+        raise ValueError(f"{layer._fp8rl.prefix}.weight{shard}: expected an unsharded tensor of shape "
+                         f"{tuple(placement.full_shape)}, got {tuple(loaded_weight.shape)}")
     return placement
+
+
+def check_weight_shard(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
+                       loaded_shard_id: ShardId = None) -> str:
+    """Everything :func:`load_weight_shard` checks, without writing; returns the layer's prefix."""
+    p = placement_for_incoming(layer, loaded_weight, loaded_shard_id)
+    check_incoming(layer._fp8rl, loaded_weight, p.src_rows, p.src_cols, p.dst_rows, layer.weight.shape[0])
+    return layer._fp8rl.prefix
 
 
 def load_weight_shard(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
                       loaded_shard_id: ShardId = None) -> None:
-    """Weight loader of our FP8 ``weight``: take this rank's slice of a full HF tensor and quantize it in place.
+    """Weight loader of our FP8 ``weight``: take this rank's slice of a full HF tensor and write it in place
+    (quantized from BF16/FP16/FP32, or pre-quantized codes with their scales).
 
     Placement (TP narrowing, KV-head replication, q/k/v and gate/up offsets) comes from
     :mod:`sglang_fp8rl.layers.placement`, whose helpers are tested against SGLang's own loaders.
     """
-    placement = placement_for_incoming(layer, loaded_weight, loaded_shard_id)
-    quantize_rows_into_layer(layer, loaded_weight[placement.src_rows, placement.src_cols], placement.dst_rows)
+    p = placement_for_incoming(layer, loaded_weight, loaded_shard_id)
+    write_incoming(layer._fp8rl, loaded_weight, p.src_rows, p.src_cols, layer.weight.data, _scale(layer).data,
+                   p.dst_rows)
+    layer._fp8rl.rows_loaded += p.dst_rows.stop - p.dst_rows.start
 
 
 def fill_dummy(layer: torch.nn.Module) -> None:
@@ -162,8 +161,6 @@ class Fp8OnlineBlockwiseLinearMethod(LinearMethodBase):
         self.quant_config = quant_config
         self.prefix = prefix
         self._block_linear = None  # SGLang's block-FP8 GEMM, resolved on the first CUDA call
-        # per-shape GEMM choice, measured at load (gemm_select.prepare_model)
-        self._select_gemm = quant_config.options.gemm_select != "off"
 
     def create_weights(
         self,
@@ -204,6 +201,7 @@ class Fp8OnlineBlockwiseLinearMethod(LinearMethodBase):
                 output_dim=0,
                 weight_loader=functools.partial(refuse_scale, self.prefix, "weight_scale_inv"),
             )
+            setattr(scale, CHECK_ATTR, scale.weight_loader)
             layer.register_parameter("weight_scale_inv", scale)
         else:
             scale = ChannelQuantScaleParameter(
@@ -211,6 +209,7 @@ class Fp8OnlineBlockwiseLinearMethod(LinearMethodBase):
                 output_dim=0,
                 weight_loader=functools.partial(refuse_scale, self.prefix, "weight_scale"),
             )
+            setattr(scale, CHECK_ATTR, scale.weight_loader)
             layer.register_parameter("weight_scale", scale)
         layer.input_scale = None
         config.report.record(self.prefix, decision)
@@ -234,17 +233,9 @@ class Fp8OnlineBlockwiseLinearMethod(LinearMethodBase):
             from sglang.srt.layers.quantization.fp8_utils import dispatch_w8a8_block_fp8_linear
 
             self._block_linear = dispatch_w8a8_block_fp8_linear()
-        if self._select_gemm:
-            return gemm_select.apply_selected(
-                x, layer.weight, layer.weight_scale_inv, bias, self._block_linear, layer._fp8rl.block_size
-            )
-        return self._block_linear(
-            input=x,
-            weight=layer.weight,
-            block_size=list(layer._fp8rl.block_size),
-            weight_scale=layer.weight_scale_inv,
-            input_scale=None,
-            bias=bias,
+        # the per-shape choice installed at load (gemm_select.prepare_model); SGLang's own call where none is
+        return gemm_select.apply_selected(
+            x, layer.weight, layer.weight_scale_inv, bias, self._block_linear, layer._fp8rl.block_size
         )
 
     @staticmethod

@@ -28,7 +28,16 @@ from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput, Standar
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 from sglang.srt.server_args import get_global_server_args
 
-from sglang_fp8rl.layers.fp8_storage import CHECK_ATTR, Fp8LayerState, dummy_bf16, refuse_scale, write_rows
+from sglang_fp8rl.layers.fp8_storage import (
+    CHECK_ATTR,
+    Fp8LayerState,
+    check_incoming,
+    check_incoming_dtype,
+    dummy_bf16,
+    refuse_scale,
+    write_incoming,
+    write_rows,
+)
 from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision, choose_scheme
 from sglang_fp8rl.quant import (
     FP8_DTYPE,
@@ -97,9 +106,7 @@ def expert_target(layer: torch.nn.Module, param: torch.nn.Parameter, loaded: tor
         raise ValueError(f"{name}: shard id {shard_id!r} is not one of {expected_shard}")
     if not isinstance(expert_id, int) or not 0 <= expert_id < layer.num_experts:
         raise ValueError(f"{name}: expert id {expert_id!r} is out of range [0, {layer.num_experts})")
-    if not loaded.is_floating_point() or loaded.dtype == FP8_DTYPE:
-        raise ValueError(f"{name} expert {expert_id} {shard_id}: expected a BF16/FP16/FP32 tensor, got {loaded.dtype} "
-                         "(fp8_online_blockwise quantizes on the engine; send unquantized weights)")
+    check_incoming_dtype(f"{name} expert {expert_id} {shard_id}", loaded)
     h, i_local, tp_rank = state.hidden_size, state.intermediate_local, layer.moe_tp_rank
     i_full = i_local * layer.moe_tp_size
     full_shape = (h, i_full) if shard_id == "w2" else (i_full, h)
@@ -111,15 +118,18 @@ def expert_target(layer: torch.nn.Module, param: torch.nn.Parameter, loaded: tor
         return None
     part = slice(tp_rank * i_local, (tp_rank + 1) * i_local)
     if shard_id == "w2":
-        return ExpertTarget(local, shard_id, (slice(None), part), slice(0, h))
+        return ExpertTarget(local, shard_id, (slice(0, h), part), slice(0, h))
     offset = 0 if shard_id == "w1" else i_local
-    return ExpertTarget(local, shard_id, (part, slice(None)), slice(offset, offset + i_local))
+    return ExpertTarget(local, shard_id, (part, slice(0, h)), slice(offset, offset + i_local))
 
 
 def check_expert_weight(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
                         weight_name: str = "", shard_id: str = "", expert_id: Optional[int] = None) -> str:
     """Everything :func:`load_expert_weight` checks, without writing; returns the layer's prefix."""
-    expert_target(layer, param, loaded_weight, shard_id, expert_id)
+    target = expert_target(layer, param, loaded_weight, shard_id, expert_id)
+    if target is not None:
+        weight, _ = _expert_storage(layer, target.local_expert, shard_id)
+        check_incoming(layer._fp8rl, loaded_weight, *target.src, target.dst_rows, weight.shape[0])
     return layer._fp8rl.prefix
 
 
@@ -127,9 +137,8 @@ def check_expert_weight(layer: torch.nn.Module, param: torch.nn.Parameter, loade
 # writing
 
 
-def quantize_into_expert(layer: torch.nn.Module, w: torch.Tensor, local: int, shard_id: str,
-                         dst_rows: slice) -> None:
-    """Quantize ``w`` (this rank's 2-D part of one expert tensor) into its rows of the FP8 weight and scale."""
+def _expert_storage(layer: torch.nn.Module, local: int, shard_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 2-D FP8 weight of one local expert (w13 or w2) and its whole scale (2-D block, 1-D per row)."""
     state: MoeLayerState = layer._fp8rl
     is_w2 = shard_id == "w2"
     weight = (layer.w2_weight if is_w2 else layer.w13_weight).data[local]
@@ -137,16 +146,26 @@ def quantize_into_expert(layer: torch.nn.Module, w: torch.Tensor, local: int, sh
         scale = (layer.w2_weight_scale_inv if is_w2 else layer.w13_weight_scale_inv).data[local]
     else:
         scale = (layer.w2_weight_scale if is_w2 else layer.w13_weight_scale).data[local, :, 0]
-    write_rows(state, w, weight, scale, dst_rows)
-    state.loaded.add((local, shard_id))
+    return weight, scale
+
+
+def quantize_into_expert(layer: torch.nn.Module, w: torch.Tensor, local: int, shard_id: str,
+                         dst_rows: slice) -> None:
+    """Quantize ``w`` (this rank's 2-D part of one expert tensor) into its rows of the FP8 weight and scale."""
+    weight, scale = _expert_storage(layer, local, shard_id)
+    write_rows(layer._fp8rl, w, weight, scale, dst_rows)
+    layer._fp8rl.loaded.add((local, shard_id))
 
 
 def load_expert_weight(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
                        weight_name: str = "", shard_id: str = "", expert_id: Optional[int] = None) -> None:
     """Weight loader of ``w13_weight``/``w2_weight`` (called as FusedMoE's: name, shard_id=, expert_id=)."""
     target = expert_target(layer, param, loaded_weight, shard_id, expert_id)
-    if target is not None:
-        quantize_into_expert(layer, loaded_weight[target.src], target.local_expert, shard_id, target.dst_rows)
+    if target is None:
+        return
+    weight, scale = _expert_storage(layer, target.local_expert, shard_id)
+    write_incoming(layer._fp8rl, loaded_weight, *target.src, weight, scale, target.dst_rows)
+    layer._fp8rl.loaded.add((target.local_expert, shard_id))
 
 
 def fill_dummy_expert(layer: torch.nn.Module, local: int, shard_id: str) -> None:
@@ -255,6 +274,7 @@ class Fp8OnlineBlockwiseMoEMethod(FusedMoEMethodBase):
     def _register_scale(self, layer: torch.nn.Module, name: str, shape: tuple[int, ...]) -> None:
         param = torch.nn.Parameter(torch.ones(shape, dtype=torch.float32), requires_grad=False)
         param.weight_loader = functools.partial(refuse_scale, self.prefix, name)
+        setattr(param, CHECK_ATTR, param.weight_loader)  # the dry run refuses it too, before any shape rule
         layer.register_parameter(name, param)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

@@ -5,27 +5,43 @@ size, by one of three transports:
 
 * ``push_state_dict(target, state_dict)``: `/update_weights_from_tensor` (CUDA IPC handles when the tensors are on a
   GPU and the engine is colocated; the bytes themselves otherwise);
-* ``push_distributed(target, state_dict, group, group_name)``: `/update_weights_from_distributed`, rank 0 of an NCCL
-  group made by ``init_update_group`` broadcasting each bucket;
+* ``push_distributed(target, state_dict, group)``: `/update_weights_from_distributed`, the trainer being rank 0 of
+  the group that ``init_update_group`` returns, broadcasting each bucket;
 * ``push_from_disk(target, path)``: `/update_weights_from_disk` of a checkpoint folder.
 
 ``target`` is a server URL (``"http://127.0.0.1:30000"``) or an ``sglang.Engine``. Every failed request raises
-:class:`WeightPushError` with the engine's message, which names the tensor and the reason.
+:class:`WeightPushError` with the engine's message, which names the tensor and the reason. Each bucket is checked
+here first (names, dtypes, finite values): a bad tensor fails before anything is sent, which matters most for the
+broadcast, where the engine waits for every announced tensor.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import threading
-from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
+from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
+
+from sglang_fp8rl.quant import extremes, extremes_finite_in_bf16
 
 DEFAULT_BUCKET_BYTES = 512 << 20
+DEFAULT_TIMEOUT_S = 600.0
+SENDABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_CODES = torch.float8_e4m3fn  # sent only with its `<name>_scale_inv` (float32 block scales), in the same bucket
+SCALE_SUFFIX = "_scale_inv"
+VALIDATE_ONLY = "fp8rl.validate"  # load_format of the first phase of an all-or-nothing step (hooks/weight_updater.py)
+STEP_COMPLETE = "fp8rl.step_complete"  # control entry marking the last request of a step (weight_sync/fp8_payload.py)
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+# torch's reduce_tensor argument that holds a CUDA tensor's device index (SGLang sends the device UUID there)
+_DEVICE_ARG = 6
 
 
 class WeightPushError(RuntimeError):
-    """The engine refused or failed a weight update."""
+    """The engine refused or failed a weight update (or the client refused to send it)."""
 
 
 def named_items(weights: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
@@ -35,21 +51,56 @@ def named_items(weights: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, tensor.detach()
 
 
-def buckets(weights: NamedTensors, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of at most ``bucket_bytes`` (a larger single tensor travels alone)."""
+def _units(weights: NamedTensors) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Tensors in order, each pre-quantized weight together with its scale (they must travel in one request)."""
+    items = list(named_items(weights))
+    names = {name for name, _ in items}
+    scales = {name: t for name, t in items if name.endswith(".weight" + SCALE_SUFFIX)}
+    paired = {name[: -len(SCALE_SUFFIX)] for name in scales} & names
+    for name, tensor in items:
+        if name in scales and name[: -len(SCALE_SUFFIX)] in names:
+            continue  # sent with its weight
+        if name in paired:
+            yield [(name, tensor), (name + SCALE_SUFFIX, scales[name + SCALE_SUFFIX])]
+        else:
+            yield [(name, tensor)]
+
+
+def buckets(weights: NamedTensors,
+            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of at most ``bucket_bytes`` (a larger single tensor travels alone; a pre-quantized weight
+    and its scale stay together)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, tensor in named_items(weights):
-        nbytes = tensor.numel() * tensor.element_size()
+    for unit in _units(weights):
+        nbytes = sum(t.numel() * t.element_size() for _, t in unit)
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, tensor))
+        bucket.extend(unit)
         size += nbytes
     if bucket:
         yield bucket
+
+
+def preflight(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
+    """Raise WeightPushError for what the engine would refuse on content alone: names, dtypes, NaN/Inf in BF16."""
+    seen: set[str] = set()
+    for name, tensor in bucket:
+        if not isinstance(name, str) or not name or name in seen:
+            raise WeightPushError(f"{what} not sent: {name!r}: names must be unique non-empty strings")
+        seen.add(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightPushError(f"{what} not sent: {name}: {type(tensor).__name__} is not a tensor")
+        if tensor.dtype == FP8_CODES or name.endswith(".weight" + SCALE_SUFFIX):
+            continue  # pre-quantized: the engine checks codes and scales together
+        if tensor.dtype not in SENDABLE_DTYPES:
+            raise WeightPushError(f"{what} not sent: {name}: {tensor.dtype} is not accepted (send bf16, fp16 or "
+                                  "fp32, or float8_e4m3fn codes with their weight_scale_inv)")
+        if tensor.numel() and not extremes_finite_in_bf16(extremes(tensor)):
+            raise WeightPushError(f"{what} not sent: {name}: contains NaN/Inf in BF16")
 
 
 def _check_answer(answer: Any, what: str) -> Any:
@@ -78,71 +129,154 @@ def _tp_size(url: str, timeout: float) -> int:
     return int(requests.get(url.rstrip("/") + "/get_server_info", timeout=timeout).json().get("tp_size", 1))
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# payload (SGLang's format, without patching torch for the whole process)
+
+
+def _reduce_tensor_with_uuid(tensor: torch.Tensor) -> tuple[Callable, tuple]:
+    """torch's reduction of a tensor; for a CUDA tensor, the device index replaced by the device's UUID."""
+    reduce = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)  # SGLang may have patched it
+    rebuild, args = reduce(tensor)
+    if tensor.is_cuda:
+        uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
+        args = (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1:])
+    return rebuild, args
+
+
+class _IpcPickler(ForkingPickler):
+    """ForkingPickler whose CUDA tensors carry their device UUID (what SGLang's receiving TP worker expects).
+
+    SGLang's own client patches torch's reductions for the whole process and for good; after that, CPU tensors no
+    longer pickle. This pickler has its own dispatch table instead: nothing global changes, CPU tensors pickle as
+    usual, and a bucket may mix CPU and CUDA tensors."""
+
+    _extra_reducers = {
+        **ForkingPickler._extra_reducers,
+        **{cls: _reduce_tensor_with_uuid for cls in ForkingPickler._extra_reducers if issubclass(cls, torch.Tensor)},
+    }
+
+
+def serialize(obj: Any) -> str:
+    """SGLang's MultiprocessingSerializer format (base64 of a ForkingPickler dump), CUDA tensors by device UUID."""
+    buf = io.BytesIO()
+    _IpcPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
 def serialize_for_ranks(named: Sequence[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
     """One serialized payload per TP rank (SGLang's format; CUDA tensors travel as IPC handles)."""
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    return [serialize(list(named)) for _ in range(tp_size)]
 
-    if any(t.is_cuda for _, t in named):
-        # CUDA tensors travel as IPC handles keyed by device UUID (what SGLang's receiving TP worker expects); the
-        # patch is for CUDA storages only and breaks the pickling of CPU tensors
-        monkey_patch_torch_reductions()
-    return [MultiprocessingSerializer.serialize(list(named), output_str=True) for _ in range(tp_size)]
+
+# ---------------------------------------------------------------------------------------------------------------------
+# transports
+
+
+def _send_tensors(target: Any, bucket: list, tp_size: Optional[int], load_format: Optional[str], flush_cache: bool,
+                  what: str, timeout: float) -> Any:
+    if isinstance(target, str):
+        payload = {"serialized_named_tensors": serialize_for_ranks(bucket, tp_size), "flush_cache": flush_cache,
+                   "load_format": load_format}
+        return _check_answer(_post(target, "/update_weights_from_tensor", payload, timeout), what)
+    return _check_answer(target.update_weights_from_tensor(bucket, load_format=load_format, flush_cache=flush_cache),
+                         what)
 
 
 def push_state_dict(target: Any, weights: NamedTensors, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                    timeout: float = 600.0) -> list:
-    """Push weights by tensor, bucket by bucket; the KV cache is flushed once, after the last bucket."""
-    answers = []
+                    timeout: float = DEFAULT_TIMEOUT_S, atomic: bool = True) -> list:
+    """Push one trainer step by tensor, bucket by bucket; the KV cache is flushed once, after the last bucket.
+
+    ``atomic`` (default): every bucket is first validated by the engine (requests that write nothing), and only if
+    all pass are they applied, so a refused bucket leaves every weight as it was. The last bucket carries the
+    step-complete marker. ``weights`` may mix BF16/FP16/FP32 tensors and pre-quantized FP8 (``<name>`` as
+    float8_e4m3fn codes with ``<name>_scale_inv``). Returns the engine's answers to the writing requests."""
     chunks = list(buckets(weights, bucket_bytes))
+    for bucket in chunks:
+        preflight(bucket, "update_weights_from_tensor")
+    if not chunks:
+        return []
     tp_size = _tp_size(target, timeout) if isinstance(target, str) else None
+    if atomic:
+        for i, bucket in enumerate(chunks):
+            what = f"step validation (bucket {i + 1}/{len(chunks)}: {bucket[0][0]} ...), nothing of the step written"
+            _send_tensors(target, bucket, tp_size, VALIDATE_ONLY, False, what, timeout)
+    chunks[-1] = chunks[-1] + [(STEP_COMPLETE, torch.zeros(()))]
+    answers = []
     for i, bucket in enumerate(chunks):
         last = i == len(chunks) - 1
         what = f"update_weights_from_tensor (bucket {i + 1}/{len(chunks)}: {bucket[0][0]} ...)"
-        if isinstance(target, str):
-            payload = {"serialized_named_tensors": serialize_for_ranks(bucket, tp_size), "flush_cache": last}
-            answers.append(_check_answer(_post(target, "/update_weights_from_tensor", payload, timeout), what))
-        else:
-            answers.append(_check_answer(target.update_weights_from_tensor(bucket, flush_cache=last), what))
+        answers.append(_send_tensors(target, bucket, tp_size, None, last, what, timeout))
     return answers
 
 
-def init_update_group(target: Any, master_address: str, master_port: int, world_size: int,
-                      group_name: str = "fp8rl", backend: str = "nccl") -> Any:
-    """Ask the engine to join an update group (engine ranks 1..world_size-1); the trainer is rank 0.
+def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict]:
+    """Run ``call`` in a daemon thread; its result or exception lands in the returned dict."""
+    result: dict = {}
 
-    Call this, then create the trainer's side with SGLang's ``init_custom_process_group`` (rank 0) concurrently.
-    """
+    def run() -> None:
+        try:
+            result["answer"] = call()
+        except Exception as e:  # noqa: BLE001 - handed to the calling thread, which raises it with context
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def _join(thread: threading.Thread, result: dict, what: str, timeout: float) -> Any:
+    thread.join(timeout)
+    if "error" in result:
+        error = result["error"]
+        if isinstance(error, WeightPushError):
+            raise error
+        raise WeightPushError(f"{what} failed: {type(error).__name__}: {error}") from error
+    if "answer" not in result:
+        raise WeightPushError(f"{what} did not answer within {timeout} s")
+    return _check_answer(result["answer"], what)
+
+
+def init_update_group(target: Any, master_address: str, master_port: int, world_size: int,
+                      group_name: str = "fp8rl", backend: str = "nccl", timeout: float = DEFAULT_TIMEOUT_S) -> Any:
+    """Create the update group between the trainer (rank 0, this process) and the engine's ranks (1..world_size-1);
+    returns the trainer's process group for :func:`push_distributed`.
+
+    Both sides block until every rank has joined, so the engine's request runs in a thread while this process
+    joins as rank 0."""
+    from sglang.srt.utils import init_custom_process_group
+
     args = dict(master_address=master_address, master_port=master_port, rank_offset=1, world_size=world_size,
                 group_name=group_name, backend=backend)
     if isinstance(target, str):
-        return _check_answer(_post(target, "/init_weights_update_group", args, 600.0), "init_weights_update_group")
-    return _check_answer(target.init_weights_update_group(**args), "init_weights_update_group")
+        thread, result = _in_thread(lambda: _post(target, "/init_weights_update_group", args, timeout))
+    else:
+        thread, result = _in_thread(lambda: target.init_weights_update_group(**args))
+    group = init_custom_process_group(backend=backend, init_method=f"tcp://{master_address}:{master_port}",
+                                      world_size=world_size, rank=0, group_name=group_name)
+    _join(thread, result, "init_weights_update_group", timeout)
+    return group
 
 
 def push_distributed(target: Any, weights: NamedTensors, group: Any, group_name: str = "fp8rl",
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout: float = 600.0) -> list:
-    """Push weights over an NCCL group: the engine's request and our broadcasts run concurrently, bucket by bucket."""
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout: float = DEFAULT_TIMEOUT_S) -> list:
+    """Push weights over the update group: per bucket, the engine's request (in a thread) and our broadcasts.
+
+    Every bucket passes :func:`preflight` before the first request, so no broadcast stops half-way on our side."""
+    chunks = list(buckets(weights, bucket_bytes))
+    for bucket in chunks:
+        preflight(bucket, "update_weights_from_distributed")
     answers = []
-    for bucket in buckets(weights, bucket_bytes):
+    for bucket in chunks:
         meta = dict(names=[n for n, _ in bucket], dtypes=[str(t.dtype).replace("torch.", "") for _, t in bucket],
                     shapes=[list(t.shape) for _, t in bucket], group_name=group_name)
-        result: dict = {}
-
-        def request(meta=meta, result=result) -> None:
-            if isinstance(target, str):
-                result["answer"] = _post(target, "/update_weights_from_distributed", meta, timeout)
-            else:
-                result["answer"] = target.update_weights_from_distributed(**meta)
-
-        thread = threading.Thread(target=request, daemon=True)
-        thread.start()
+        if isinstance(target, str):
+            thread, result = _in_thread(lambda meta=meta: _post(target, "/update_weights_from_distributed", meta,
+                                                                timeout))
+        else:
+            thread, result = _in_thread(lambda meta=meta: target.update_weights_from_distributed(**meta))
         for _, tensor in bucket:
             torch.distributed.broadcast(tensor.contiguous(), src=0, group=group)
-        thread.join(timeout)
-        if "answer" not in result:
-            raise WeightPushError(f"update_weights_from_distributed did not answer within {timeout} s")
-        answers.append(_check_answer(result["answer"], f"update_weights_from_distributed ({meta['names'][0]} ...)"))
+        answers.append(_join(thread, result, f"update_weights_from_distributed ({meta['names'][0]} ...)", timeout))
     return answers
 
 

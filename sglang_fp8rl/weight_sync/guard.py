@@ -1,0 +1,138 @@
+"""The guarded update: obtain, validate, agree across TP ranks, write, agree again; answer, never raise.
+
+Every SGLang update entry point (:mod:`sglang_fp8rl.hooks.weight_updater`) hands this module two functions:
+``prepare`` (obtain the request's tensors from its transport and validate them; nothing is written) and ``write``.
+:func:`run` calls them in order with a TP agreement after each (:mod:`.consensus`), so that all ranks apply an
+update or none does, and turns every outcome into SGLang's ``(success, message)`` answer:
+
+* anything raised by ``prepare`` is a rejection, on every rank: nothing was written, the previous weights stay;
+* anything raised by ``write`` (a device error: the content was validated) marks the tensors being written dirty on
+  every rank: the engine is inconsistent and refuses to serve until they are re-sent.
+
+Nothing escapes into SGLang's scheduler: an exception there would kill the engine, which costs an RL job hours.
+That is why the two ``except Exception`` clauses below exist; they log the traceback and answer with the
+exception's type and message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, Optional
+
+import torch
+
+from sglang_fp8rl.weight_sync.consensus import Verdict, agree
+from sglang_fp8rl.weight_sync.update import engine_state, model_device, new_stats, peak_memory, record
+from sglang_fp8rl.weight_sync.validate import UpdateRejected, Validated
+
+logger = logging.getLogger(__name__)
+
+# in every answer given while the engine is inconsistent (the HTTP process reads it: hooks/tokenizer.py)
+INCONSISTENT_MARK = "[fp8rl: engine inconsistent]"
+REJECTED = "[fp8rl] update rejected, nothing was written, previous weights kept: "
+VALIDATED = "[fp8rl] validated, nothing written (validate-only request)"
+PARTIAL = f"{INCONSISTENT_MARK} the engine holds a mix of old and new weights and refuses to serve until the " \
+          "tensors of the failed update are re-sent: "
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A validated request, ready to write: what it writes and how big it is."""
+
+    validated: Validated
+    tensors: int = 0
+    bytes: int = 0
+    full: bool = False  # it rewrites every weight of the model (a disk update without a name filter)
+    validate_only: bool = False  # the first phase of an all-or-nothing step: answer, write nothing
+    step_complete: bool = False  # the last request of a trainer step
+
+
+def _describe(error: BaseException, context: str = "") -> str:
+    text = str(error) if isinstance(error, UpdateRejected) else f"{type(error).__name__}: {error}"
+    return f"{context}: {text}" if context else text
+
+
+def _prepare_verdict(prepare: Callable[[], Prepared], context: str) -> tuple[Optional[Prepared], Verdict]:
+    try:
+        return prepare(), Verdict(True)
+    except UpdateRejected as e:
+        return None, Verdict(False, _describe(e, context))
+    except Exception as e:  # noqa: BLE001 - the boundary to SGLang's scheduler: nothing may escape (module doc)
+        logger.exception("[fp8rl] unexpected error while preparing an update (answered as a rejection)")
+        return None, Verdict(False, _describe(e, context))
+
+
+def _write_verdict(write: Callable[[Prepared], None], prepared: Prepared) -> Verdict:
+    try:
+        write(prepared)
+        return Verdict(True, wrote=True)
+    except Exception as e:  # noqa: BLE001 - the boundary to SGLang's scheduler: nothing may escape (module doc)
+        logger.exception("[fp8rl] error while writing a validated update")
+        return Verdict(False, _describe(e), wrote=True)
+
+
+def run(model: torch.nn.Module, source: str, prepare: Callable[[], Prepared], write: Callable[[Prepared], None],
+        context: str = "") -> tuple[bool, str]:
+    """One guarded update (see the module doc); returns SGLang's (success, message). ``context`` (e.g. the checkpoint
+    path) prefixes the messages of errors that do not name their tensor themselves."""
+    stats = new_stats(source)
+    t0 = time.perf_counter()
+    with peak_memory(stats, model_device(model)):
+        prepared, local = _prepare_verdict(prepare, context)
+        verdict = agree(local)
+        t1 = time.perf_counter()
+        stats.validate_s = t1 - t0
+        if prepared is not None:
+            stats.tensors, stats.bytes = prepared.tensors, prepared.bytes
+            stats.add(prepared.validated)
+        if not verdict.ok:
+            stats.message = verdict.message
+            record(stats)
+            return False, with_state(REJECTED + verdict.message)
+        if prepared.validate_only:
+            stats.ok, stats.message = True, VALIDATED
+            record(stats)
+            return True, with_state(VALIDATED)
+        verdict = agree(_write_verdict(write, prepared))
+        stats.apply_s = time.perf_counter() - t1
+    state = engine_state()
+    if not verdict.ok:
+        reason = f"update #{stats.index} ({source}) failed after writing started: {verdict.message}"
+        state.mark_dirty(prepared.validated.names, reason)
+        stats.message = reason
+        record(stats)
+        return False, PARTIAL + reason
+    state.mark_written(prepared.validated.names, full=prepared.full)
+    stats.ok, stats.message = True, "ok"
+    record(stats)
+    return True, with_state("Success")
+
+
+def run_unvalidated(model: torch.nn.Module, source: str, call: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
+    """An entry point whose tensors cannot be obtained up front (checkpoint-engine IPC): SGLang's own method runs,
+    its ``load_weights`` calls are validated rank-locally by the model's guard, and the ranks agree on the outcome.
+    If any rank failed after any rank wrote, every rank is marked inconsistent."""
+    state = engine_state()
+    writes_before = state.writes
+    try:
+        ok, message = call()
+    except Exception as e:  # noqa: BLE001 - the boundary to SGLang's scheduler: nothing may escape (module doc)
+        logger.exception("[fp8rl] unexpected error in %s", source)
+        ok, message = False, _describe(e)
+    verdict = agree(Verdict(bool(ok), "" if ok else str(message), wrote=state.writes > writes_before))
+    if verdict.ok:
+        return True, with_state(message)
+    if verdict.wrote:
+        state.mark_dirty((), f"{source} failed on some rank after others wrote: {verdict.message}")
+        return False, PARTIAL + verdict.message
+    return False, with_state(REJECTED + verdict.message)
+
+
+def with_state(message: str) -> str:
+    """An answer, plus the engine's inconsistency when a failed update's tensors are still to be re-sent."""
+    state = engine_state()
+    if state.consistent:
+        return message
+    return f"{message} {INCONSISTENT_MARK} still inconsistent: {state.inconsistent_reason}"

@@ -1,0 +1,394 @@
+"""Validation of a weight update, without writing anything: per-tensor checks, then a dry run of ``load_weights``.
+
+Per tensor: a string name, unique in the request; a BF16/FP16/FP32 tensor; values finite once rounded to BF16 (one
+read-only reduction per tensor, one device sync per request). Then a *dry run* of the model's own ``load_weights``
+over the whole request, with every parameter's loader replaced by a checker: our FP8 parameters run their loader's
+side-effect-free twin (``CHECK_ATTR``: placement and full shape through :mod:`sglang_fp8rl.layers.placement`); other
+parameters get our shape rule (:func:`check_plain_shape`: SGLang's loaders check only some dimensions) and then
+SGLang's own loader into a scratch tensor. The dry run's outcome depends only on names, shapes and dtypes, so
+it is remembered per request signature. Every failure raises :class:`UpdateRejected` naming the tensor and reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from sglang.srt.layers.linear import LinearBase
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+from sglang_fp8rl.layers.fp8_storage import CHECK_ATTR, dequantized_bf16, is_prequantized, layer_state
+from sglang_fp8rl.layers.placement import placement_for_layer
+from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE, FP8_DTYPE, extremes, extremes_finite_in_bf16
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+
+ACCEPTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+WIRE_DTYPES = ACCEPTED_DTYPES + (FP8_DTYPE,)  # what may travel: FP8 E4M3 codes only with their scales
+# names that SGLang's model loaders skip on purpose (not parameters); accepted and ignored
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# what SGLang's loaders raise on a tensor they do not take (asserts included)
+DRY_RUN_ERRORS = (ValueError, AssertionError, KeyError, RuntimeError, IndexError, TypeError, AttributeError)
+DRY_RUN_CACHE_SIZE = 256  # request signatures remembered per model (an 8B model in 512 MB buckets uses ~33)
+
+
+class UpdateRejected(ValueError):
+    """A weight update refused during validation: nothing was written."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# per-tensor checks
+
+
+def check_name(name: object) -> str:
+    """Reject names that are not non-empty strings (SGLang's loaders would raise on them while writing)."""
+    if not isinstance(name, str) or not name:
+        raise UpdateRejected(f"{name!r}: a tensor name must be a non-empty string, got {type(name).__name__}")
+    return name
+
+
+def check_dtype(name: str, tensor: object) -> None:
+    """Reject non-tensors and dtypes other than BF16/FP16/FP32 (and FP8 E4M3 codes paired with their scales)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise UpdateRejected(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in ACCEPTED_DTYPES and not is_prequantized(tensor):
+        raise UpdateRejected(f"{name}: dtype {tensor.dtype} is not accepted (send bf16, fp16 or fp32 weights, or "
+                             "float8_e4m3fn codes with their weight_scale_inv)")
+
+
+def check_tensor(name: str, tensor: torch.Tensor) -> None:
+    """Reject bad dtypes and values that are not finite in BF16, naming the first bad index."""
+    check_dtype(name, tensor)
+    if tensor.numel() and not is_prequantized(tensor) and not extremes_finite_in_bf16(extremes(tensor)):
+        bad = (~torch.isfinite(tensor.to(torch.bfloat16))).nonzero()[0].tolist()
+        raise UpdateRejected(f"{name}: contains NaN/Inf in BF16 (first at index {bad}); nothing was written")
+
+
+def check_tensors(named_tensors: NamedTensors) -> None:
+    """check_tensor over a request: one multi-tensor reduction per (device, dtype) and one host sync per device; the
+    exact per-tensor check runs only when that flags something, to name the culprit (or clear a false alarm)."""
+    for name, tensor in named_tensors:
+        check_dtype(check_name(name), tensor)
+    if not all_finite_in_bf16([t for _, t in named_tensors if t.numel() and not is_prequantized(t)]):
+        for name, tensor in named_tensors:
+            check_tensor(name, tensor)
+
+
+def all_finite_in_bf16(tensors: Sequence[torch.Tensor]) -> bool:
+    """Conservative: True only if every tensor is finite in BF16. The L1 norm propagates NaN and Inf (a max-based
+    reduction may drop NaN), and an FP32 value past BF16's range makes it Inf in BF16 too; it can also overflow for
+    huge finite tensors, which the exact check then clears."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    norms: dict[torch.device, list[torch.Tensor]] = {}
+    for (device, _), group in groups.items():
+        norms.setdefault(device, []).append(torch.stack(torch._foreach_norm(group, 1)).float())
+    return all(extremes_finite_in_bf16(torch.cat(parts)) for parts in norms.values())
+
+
+def check_unique(names: Sequence[str]) -> None:
+    """Reject a request that names the same tensor twice."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise UpdateRejected(f"{name}: appears more than once in the same update")
+        seen.add(name)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the shape rule for parameters that are not ours (BF16: embeddings, norms, lm_head, routers, layers kept in BF16)
+
+
+def _shard_id(args: tuple, kwargs: dict) -> Any:
+    return args[0] if args else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
+
+
+def expected_full_shape(owner: Optional[torch.nn.Module], param_name: str, param: torch.nn.Parameter,
+                        shard_id: Any) -> Optional[tuple[int, ...]]:
+    """The exact shape the tensor of a weight is sent in, where it is known: linear weights (our placement helpers,
+    tested against SGLang's loaders) and vocabulary embeddings / lm_head (the original vocabulary)."""
+    if param_name != "weight" or param.dim() != 2:
+        return None
+    if isinstance(owner, LinearBase):
+        return tuple(placement_for_layer(owner, shard_id).full_shape)
+    if isinstance(owner, VocabParallelEmbedding) and not getattr(owner, "use_presharded_weights", False):
+        return int(owner.org_vocab_size), int(owner.embedding_dim)
+    return None
+
+
+def check_plain_shape(owner: Optional[torch.nn.Module], param_name: str, param: torch.nn.Parameter,
+                      loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """ValueError unless ``loaded`` has the full shape the parameter is loaded from.
+
+    SGLang's loaders narrow the dimension they shard and may broadcast the others (the vocab loader checks only the
+    first dimension, so a [V, 1] tensor would fill every column). Linear weights and embeddings have an exactly
+    known full shape; other parameters must match in rank and in every dimension but the one a loader shards."""
+    if param.numel() == 1 and loaded.numel() == 1:
+        return  # SGLang's default loader fills a one-element parameter from any one-element tensor
+    expected = expected_full_shape(owner, param_name, param, shard_id)
+    if expected is not None:
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"expected the full shape {expected}, got {tuple(loaded.shape)}")
+        return
+    if loaded.dim() != param.dim():
+        raise ValueError(f"expected a {param.dim()}-D tensor like the parameter {tuple(param.shape)}, "
+                         f"got shape {tuple(loaded.shape)}")
+    sharded = {getattr(param, attr, None) for attr in ("output_dim", "packed_dim")} - {None}
+    for dim, (want, got) in enumerate(zip(param.shape, loaded.shape)):
+        if dim not in sharded and want != got:
+            raise ValueError(f"dimension {dim} is {got}, the parameter's is {want} (shape {tuple(param.shape)})")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# dry run of the model's own load_weights
+
+
+@dataclasses.dataclass
+class DryRunRecord:
+    """Which parameters one tensor reached during a dry run."""
+
+    fp8_layers: list[str] = dataclasses.field(default_factory=list)
+    plain_params: int = 0
+
+    @property
+    def consumed(self) -> bool:
+        """Whether the tensor reached any parameter."""
+        return bool(self.fp8_layers) or self.plain_params > 0
+
+
+@dataclasses.dataclass
+class DryRunTarget:
+    """Where the checkers record: the record of the tensor being dry-run now."""
+
+    record: DryRunRecord = dataclasses.field(default_factory=DryRunRecord)
+
+
+def _load_into_scratch(real_loader: Callable, param: torch.nn.Parameter, loaded: torch.Tensor, *args,
+                       **kwargs) -> None:
+    """Run SGLang's own loader of a parameter into a scratch tensor: its checks run, the parameter is untouched.
+
+    The scratch must be real memory of the parameter's device and dtype: ``param.data`` only accepts a tensor of
+    the same type (no ``meta``), and a loader bound to the parameter object writes through ``param.data``. So the
+    dry run of a BF16 parameter costs one temporary of its size (the largest is the embedding)."""
+    original = param.data
+    param.data = torch.empty_like(original)
+    try:
+        real_loader(param, loaded, *args, **kwargs)
+    finally:
+        param.data = original
+
+
+def _current_loader(param: torch.nn.Parameter) -> Optional[Callable]:
+    return param.__dict__.get("_weight_loader") or param.__dict__.get("weight_loader")
+
+
+def _set_loader(param: torch.nn.Parameter, loader: Optional[Callable]) -> None:
+    # SGLang's vLLM-style parameters expose weight_loader as a read-only property over _weight_loader
+    key = "_weight_loader" if "_weight_loader" in param.__dict__ else "weight_loader"
+    if loader is None:
+        param.__dict__.pop(key, None)
+    else:
+        param.__dict__[key] = loader
+
+
+def _owners(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, str]]:
+    """id(param) -> (owning module, attribute name), computed once per model."""
+    owners = model.__dict__.get("_fp8rl_param_owners")
+    if owners is None:
+        owners = {id(p): (m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)}
+        model.__dict__["_fp8rl_param_owners"] = owners
+    return owners
+
+
+@contextlib.contextmanager
+def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunTarget]:
+    """Replace every parameter's loader by a checker that records into ``target.record`` but never writes."""
+    target = DryRunTarget()
+    saved: dict[int, tuple[torch.nn.Parameter, Optional[Callable]]] = {}
+    owners = _owners(model)
+
+    def make_checker(param: torch.nn.Parameter, real: Callable) -> Callable:
+        def checker(p: torch.nn.Parameter, loaded: torch.Tensor, *args, **kwargs) -> None:
+            # our FP8 parameters carry a side-effect-free twin of their loader; it returns the layer's prefix
+            check = p.__dict__.get(CHECK_ATTR)
+            if check is not None:
+                target.record.fp8_layers.append(check(p, loaded, *args, **kwargs))
+                return
+            owner, param_name = owners.get(id(p), (None, ""))
+            check_plain_shape(owner, param_name, p, loaded, _shard_id(args, kwargs))
+            _load_into_scratch(real, p, loaded, *args, **kwargs)
+            target.record.plain_params += 1
+
+        return checker
+
+    for param in model.parameters():
+        real = _current_loader(param)
+        saved[id(param)] = (param, real)
+        _set_loader(param, make_checker(param, real or default_weight_loader))
+    try:
+        yield target
+    finally:
+        for param, real in saved.values():
+            _set_loader(param, real)
+
+
+def _rejected(model: torch.nn.Module, name: str, error: BaseException) -> UpdateRejected:
+    return UpdateRejected(f"{name}: not accepted by {type(model).__name__}.load_weights: {type(error).__name__}: "
+                          f"{error}")
+
+
+def dry_run_each(model: torch.nn.Module, load_weights: Callable,
+                 named_tensors: NamedTensors) -> dict[str, DryRunRecord]:
+    """Dry-run each named tensor in its own load_weights call (exact attribution); raise UpdateRejected."""
+    records: dict[str, DryRunRecord] = {}
+    with dry_run_loaders(model) as target:
+        for name, tensor in named_tensors:
+            target.record = DryRunRecord()
+            try:
+                load_weights([(name, tensor)])
+            except DRY_RUN_ERRORS as e:
+                raise _rejected(model, name, e) from e
+            records[name] = target.record
+    return records
+
+
+def dry_run(model: torch.nn.Module, load_weights: Callable, named_tensors: NamedTensors) -> dict[str, DryRunRecord]:
+    """Dry-run a whole request in one load_weights call, attributing each loader call to the tensor being iterated.
+
+    SGLang's loaders handle each item before pulling the next, so the attribution is exact. A model that buffers
+    items (loader calls after the stream ended, or a name that reached nothing), or any error, is dry-run again
+    tensor by tensor, so that verdicts and messages never depend on the batching."""
+    records: dict[str, DryRunRecord] = {}
+    with dry_run_loaders(model) as target:
+        def stream():
+            for name, tensor in named_tensors:
+                target.record = records.setdefault(name, DryRunRecord())
+                yield name, tensor
+            target.record = DryRunRecord()  # collects calls made after the last item
+
+        try:
+            load_weights(stream())
+            batched_ok = not target.record.consumed
+        except DRY_RUN_ERRORS:
+            batched_ok = False
+    if batched_ok and all(r.consumed or is_ignored_name(model, n) for n, r in records.items()):
+        return records
+    return dry_run_each(model, load_weights, named_tensors)
+
+
+def is_ignored_name(model: torch.nn.Module, name: str) -> bool:
+    """Names the model's loader skips on purpose: rotary caches, and lm_head of a tied-embedding model."""
+    if name.endswith(IGNORED_SUFFIXES):
+        return True
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    return tied and name.split(".")[-2:] == ["lm_head", "weight"]
+
+
+def request_signature(named_tensors: NamedTensors) -> tuple:
+    """What a dry run's outcome depends on: the names, shapes, dtypes and device types, in order (not the values)."""
+    return tuple((name, tuple(t.shape), t.dtype, t.device.type) for name, t in named_tensors)
+
+
+def cached_dry_run(model: torch.nn.Module, load_weights: Callable,
+                   named_tensors: NamedTensors) -> dict[str, DryRunRecord]:
+    """dry_run, remembered per request signature: an RL trainer sends the same names and shapes every step."""
+    cache = model.__dict__.setdefault("_fp8rl_dry_runs", collections.OrderedDict())
+    key = request_signature(named_tensors)
+    records = cache.get(key)
+    if records is None:
+        records = dry_run(model, load_weights, named_tensors)  # raises UpdateRejected: nothing is remembered
+        cache[key] = records
+        if len(cache) > DRY_RUN_CACHE_SIZE:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return records
+
+
+def model_layer_scheme(model: torch.nn.Module, prefix: str) -> str:
+    """Scheme name ('block'/'channel') of one of the model's FP8 layers."""
+    cache = model.__dict__.setdefault("_fp8rl_scheme_by_prefix", {})
+    if not cache:
+        for module in model.modules():
+            state = layer_state(module)
+            if state is not None:
+                cache[state.prefix] = state.decision.scheme.value
+    return cache[prefix]
+
+
+@dataclasses.dataclass
+class Validated:
+    """A validated request: the tensors to write (ignored names dropped) and what they will write."""
+
+    to_load: list[tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    names: list[str] = dataclasses.field(default_factory=list)  # of the tensors to write
+    ignored: list[str] = dataclasses.field(default_factory=list)
+    fp8_layers: dict[str, int] = dataclasses.field(default_factory=dict)
+    plain_params: int = 0
+
+
+def for_plain_params(name: str, tensor: torch.Tensor, record: DryRunRecord) -> torch.Tensor:
+    """Pre-quantized codes bound for parameters that are not ours (a layer kept in BF16) go as their BF16 value."""
+    if not is_prequantized(tensor) or not record.plain_params:
+        return tensor
+    if record.fp8_layers:
+        raise UpdateRejected(f"{name}: reaches both FP8 and BF16 parameters; send it in BF16")
+    return dequantized_bf16(tensor, DEFAULT_BLOCK_SIZE)
+
+
+def validate_request(model: torch.nn.Module, load_weights: Callable, named_tensors: NamedTensors) -> Validated:
+    """Check the whole request before anything is written; raise UpdateRejected naming the tensor and the reason."""
+    check_tensors(named_tensors)
+    check_unique([name for name, _ in named_tensors])
+    records = cached_dry_run(model, load_weights, named_tensors)
+    result = Validated()
+    for name, tensor in named_tensors:
+        record = records[name]
+        if not record.consumed:
+            if not is_ignored_name(model, name):
+                raise UpdateRejected(f"{name}: not a parameter of {type(model).__name__} (its load_weights ignored it)")
+            result.ignored.append(name)
+            continue
+        for prefix in record.fp8_layers:
+            scheme = model_layer_scheme(model, prefix)
+            result.fp8_layers[scheme] = result.fp8_layers.get(scheme, 0) + 1
+        result.plain_params += record.plain_params
+        result.to_load.append((name, for_plain_params(name, tensor, record)))
+        result.names.append(name)
+    return result
+
+
+STREAM_CHUNK = 64  # tensors validated together on the disk path (bounded host memory, few loader swaps)
+
+
+def validate_stream(model: torch.nn.Module, load_weights: Callable, weights: Iterator[tuple[str, torch.Tensor]],
+                    chunk: int = STREAM_CHUNK) -> Validated:
+    """Validate a stream of tensors (a checkpoint's first pass) in chunks; what it would write, without the tensors."""
+    total = Validated()
+    seen: set[str] = set()
+    pending: list[tuple[str, torch.Tensor]] = []
+
+    def flush() -> None:
+        part = validate_request(model, load_weights, pending)
+        total.ignored += part.ignored
+        total.plain_params += part.plain_params
+        for scheme, n in part.fp8_layers.items():
+            total.fp8_layers[scheme] = total.fp8_layers.get(scheme, 0) + n
+        total.names += part.names  # the tensors themselves are not kept: the second pass reads them again
+        pending.clear()
+
+    for name, tensor in weights:
+        if name in seen:
+            raise UpdateRejected(f"{name}: appears more than once in the checkpoint")
+        seen.add(name)
+        pending.append((name, tensor))
+        if len(pending) == chunk:
+            flush()
+    if pending:
+        flush()
+    return total

@@ -1,0 +1,31 @@
+"""Trainer side of the distributed malformed-request cases: rank 0 of a gloo update group, broadcasting a plan.
+
+Usage: python tests/dist_trainer.py PLAN.pt PORT. The plan is a list, one entry per distributed case: the tensors
+to broadcast in order, or None when the engine refuses the request before receiving (then nothing is sent).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from sglang_fp8rl.cpu_runner import install_cpu_stubs
+
+install_cpu_stubs()
+
+
+def main() -> None:
+    from sglang.srt.utils import init_custom_process_group
+
+    plan = torch.load(sys.argv[1], weights_only=False)
+    group = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", world_size=2,
+                                      rank=0, group_name="fp8rl_test")
+    for i, tensors in enumerate(plan):
+        for tensor in tensors or ():
+            torch.distributed.broadcast(tensor, src=0, group=group)
+        print(f"case {i}: sent {len(tensors or ())} tensors", flush=True)
+
+
+if __name__ == "__main__":
+    main()

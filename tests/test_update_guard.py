@@ -1,0 +1,218 @@
+"""The guarded update in-process: answers, the dirty-tensor bookkeeping behind 'inconsistent', TP verdicts, refusals
+while inconsistent (waiting and grammar queues, /health), and the setups refused at start.
+
+End-to-end behaviour through SGLang's real WeightUpdater is in test_malformed_updates.py and test_tp2_cpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_fp8rl.hooks import scheduler as scheduler_hooks
+from sglang_fp8rl.hooks import tokenizer as tokenizer_hooks
+from sglang_fp8rl.weight_sync import guard, update
+from sglang_fp8rl.weight_sync.consensus import Verdict, combine
+from sglang_fp8rl.weight_sync.validate import UpdateRejected, Validated
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    monkeypatch.setattr(update, "_STATE", update.EngineState())
+
+
+def prepared(*names: str, full: bool = False) -> guard.Prepared:
+    return guard.Prepared(Validated(names=list(names)), tensors=len(names), full=full)
+
+
+def write_ok(_: guard.Prepared) -> None:
+    pass
+
+
+def write_fails(_: guard.Prepared) -> None:
+    raise RuntimeError("simulated CUDA error")
+
+
+MODEL = torch.nn.Linear(2, 2)
+
+
+def test_rejection_and_unexpected_errors_are_answers_not_exceptions():
+    def rejects() -> guard.Prepared:
+        raise UpdateRejected("x.weight: bad")
+
+    def breaks() -> guard.Prepared:
+        raise KeyError("surprise")
+
+    ok, message = guard.run(MODEL, "tensor", rejects, write_ok)
+    assert not ok and message == guard.REJECTED + "x.weight: bad"
+    ok, message = guard.run(MODEL, "disk", breaks, write_ok, context="checkpoint '/ckpt'")
+    assert not ok and message == guard.REJECTED + "checkpoint '/ckpt': KeyError: 'surprise'"
+    assert update.engine_state().consistent and update.engine_state().writes == 0
+
+
+def test_dirty_tensors_keep_the_engine_inconsistent_until_all_are_resent():
+    """A failed write marks its tensors dirty; an update of other tensors does not clear that (it used to), one that
+    re-sends them does; every answer in between carries the mark the HTTP process reads."""
+    ok, message = guard.run(MODEL, "tensor", lambda: prepared("a", "b"), write_fails)
+    assert not ok and guard.INCONSISTENT_MARK in message and "simulated CUDA error" in message
+    state = update.engine_state()
+    assert not state.consistent and state.dirty == {"a", "b"}
+    ok, message = guard.run(MODEL, "tensor", lambda: prepared("c"), write_ok)
+    assert ok and guard.INCONSISTENT_MARK in message and state.dirty == {"a", "b"}
+    ok, message = guard.run(MODEL, "tensor", lambda: prepared("a"), write_ok)
+    assert ok and state.dirty == {"b"}
+    ok, message = guard.run(MODEL, "tensor", lambda: prepared("b", "c"), write_ok)
+    assert ok and message == "Success" and state.consistent and state.inconsistent_reason == ""
+
+
+def test_a_full_disk_update_clears_any_inconsistency():
+    state = update.engine_state()
+    state.mark_dirty((), "an IPC update failed on some rank")
+    assert state.dirty == {update.EVERYTHING}
+    ok, _ = guard.run(MODEL, "disk", lambda: prepared("a", full=False), write_ok)
+    assert ok and not state.consistent  # a filtered disk update is not complete
+    ok, message = guard.run(MODEL, "disk", lambda: prepared("a", full=True), write_ok)
+    assert ok and message == "Success" and state.consistent
+
+
+def test_verdicts_combine_across_ranks():
+    assert combine([Verdict(True), Verdict(True, wrote=True)]) == Verdict(True, wrote=True)
+    both = combine([Verdict(False, "oom"), Verdict(True, wrote=True), Verdict(False, "x")])
+    assert not both.ok and both.wrote and both.message == "TP rank 0: oom; TP rank 2: x"
+    assert combine([Verdict(False, "alone")]) == Verdict(False, "alone")
+
+
+def test_unvalidated_entry_points_agree_on_the_outcome():
+    """checkpoint-engine IPC: SGLang's own method; a failure after a write marks the engine inconsistent."""
+    def wrote_then_failed() -> tuple[bool, str]:
+        update.engine_state().writes += 1
+        return False, "ipc broke"
+
+    ok, message = guard.run_unvalidated(MODEL, "ipc", wrote_then_failed)
+    assert not ok and guard.INCONSISTENT_MARK in message and not update.engine_state().consistent
+    update.engine_state().mark_written((), full=True)
+    ok, message = guard.run_unvalidated(MODEL, "ipc", lambda: (False, "refused before writing"))
+    assert not ok and message.startswith(guard.REJECTED) and update.engine_state().consistent
+    ok, _ = guard.run_unvalidated(MODEL, "ipc", lambda: (_ for _ in ()).throw(ConnectionError("zmq")))
+    assert not ok
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# refusal while inconsistent
+
+
+class QueuedReq:
+    def __init__(self, rid: str):
+        self.rid, self.abort_message = rid, None
+
+    def set_finish_with_abort(self, message: str) -> None:
+        self.abort_message = message
+
+
+def test_refusal_reaches_requests_waiting_for_their_grammar():
+    """A grammar-constrained request waits in the grammar queue, not the waiting queue: it is refused too."""
+    class GrammarManager:
+        grammar_queue: list = []
+
+    class SchedulerLike:
+        waiting_queue: list = []
+        grammar_manager = GrammarManager()
+
+    def handle(self, recv):  # SGLang puts a request with a regex into the grammar queue
+        self.grammar_manager.grammar_queue.append(QueuedReq(recv.rid))
+
+    class Recv:
+        rid = "grammar-1"
+
+    update.engine_state().mark_dirty(["a"], "update #3 failed")
+    sched = SchedulerLike()
+    scheduler_hooks.wrap_generate(handle)(sched, Recv())
+    refused = sched.grammar_manager.grammar_queue[-1]
+    assert "refusing to serve" in refused.abort_message and "update #3" in refused.abort_message
+
+
+def test_health_follows_update_answers():
+    """The HTTP process holds /health at 503 (server status Starting) while answers carry the inconsistency mark."""
+    from sglang.srt.managers.tokenizer_manager import ServerStatus
+
+    class Manager:
+        server_status = ServerStatus.Up
+
+    manager = Manager()
+    tokenizer_hooks.follow_answer(manager, (False, guard.PARTIAL + "x"))
+    assert manager.server_status == ServerStatus.Starting
+    tokenizer_hooks.follow_answer(manager, (True, "Success " + guard.INCONSISTENT_MARK + " still inconsistent"))
+    assert manager.server_status == ServerStatus.Starting
+    tokenizer_hooks.follow_answer(manager, (True, "Success"))
+    assert manager.server_status == ServerStatus.Up
+    manager.server_status = ServerStatus.UnHealthy
+    tokenizer_hooks.follow_answer(manager, (True, "Success"))  # not ours to change
+    assert manager.server_status == ServerStatus.UnHealthy
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# setups refused at start
+
+
+def test_pipeline_parallelism_is_refused_at_start(tmp_path):
+    """Each pipeline stage holds only its own layers, so every full update would be refused: refused at start."""
+    import argparse
+
+    from sgl_model import TINY, write_checkpoint
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_fp8rl.plugin import register
+
+    register()
+    write_checkpoint(str(tmp_path), TINY, seed=1)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", str(tmp_path), "--device", "cpu", "--quantization",
+                              "fp8_online_blockwise", "--pp-size", "2"])
+    with pytest.raises(ValueError, match="does not support pipeline parallelism"):
+        ServerArgs.from_cli_args(args)
+
+
+def test_ue8m0_scales_are_refused(monkeypatch):
+    from sglang_fp8rl.layers import config
+
+    monkeypatch.setattr(config.deep_gemm_configurer, "DEEPGEMM_SCALE_UE8M0", True)
+    with pytest.raises(ValueError, match="UE8M0"):
+        config.refuse_unsupported_setup(None)
+    monkeypatch.setattr(config.deep_gemm_configurer, "DEEPGEMM_SCALE_UE8M0", False)
+    config.refuse_unsupported_setup(None)
+
+
+def test_last_layers_count_comes_from_sglangs_config_loader(monkeypatch):
+    """--fp8rl-bf16-last-layers with a model-hub id: the layer count comes from SGLang's (cached) config loader,
+    not from a config.json next to the model path."""
+    from types import SimpleNamespace
+
+    from sglang_fp8rl.layers import config
+
+    seen = {}
+
+    def get_config(model, trust_remote_code, revision=None):
+        seen.update(model=model, trust_remote_code=trust_remote_code, revision=revision)
+        return SimpleNamespace(text_config=None, num_hidden_layers=36)
+
+    args = SimpleNamespace(model_path="Qwen/Qwen3-8B", trust_remote_code=False, revision="main")
+    monkeypatch.setattr(config, "get_global_server_args", lambda: args)
+    monkeypatch.setattr(config, "get_config", get_config)
+    assert config.num_hidden_layers_of_served_model() == 36
+    assert seen == {"model": "Qwen/Qwen3-8B", "trust_remote_code": False, "revision": "main"}
+
+
+def test_sglangs_not_optimized_warning_is_filtered_for_our_method_only(caplog):
+    import logging
+
+    from sglang_fp8rl.hooks.sglang_logs import SGLANG_LOGGER, install_log_filter
+
+    install_log_filter()
+    install_log_filter()
+    logger = logging.getLogger(SGLANG_LOGGER)
+    message = "%s quantization is not fully optimized yet. The speed can be slower than non-quantized models."
+    with caplog.at_level(logging.WARNING, logger=SGLANG_LOGGER):
+        logger.warning(message, "fp8_online_blockwise")
+        logger.warning(message, "awq")
+    assert [r.getMessage().split()[0] for r in caplog.records] == ["awq"]
+    assert len(logger.filters) == 1
