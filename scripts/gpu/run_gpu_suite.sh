@@ -15,9 +15,13 @@
 #   quant     scripts/bench_quant.py --json $WORK/bench_quant.json (quantization kernel micro-benchmark)
 #   gemm      scripts/bench_gemm.py: per-shape block-FP8 GEMM candidates vs BF16 (Qwen3-8B shapes); GEMM_ARGS
 #   startup   scripts/bench_startup.py: cold/warm launch_server start, BF16 vs fp8_online_blockwise (Qwen3-8B)
+#   demo      python -m sglang_fp8rl.demo --keep $WORK/demo: start-up progress, scheme summary, one update, tokens
+#             before/after, and the server's start-up time by phase (DEMO_ARGS, e.g. "--server-args --fp8rl-jit-workers 0")
 #   update    $UPDATE_SCRIPT (default scripts/bench_update.py): full-model update of Qwen3-8B shapes, BF16 vs
 #             fp8_online_blockwise server, by tensor (CUDA IPC) and from disk; UPDATE_ARGS e.g. "--model qwen3-small"
 #             or "--skip-disk"                                                    (~7-9 min: own call)
+#   rl        scripts/rl_regression.py: GRPO on the toy policy, BF16 vs FP8 vs FP8+TIS rollouts from the stock
+#             server, weights pushed every step; RL_ARGS e.g. "--arms bf16 fp8 fp8_tis fp8kv_tis"  (~6-9 min: own call)
 # Expected times are estimates from shared/gpu/README.md's measurements (server import 24-34 s, bench_one_batch
 # 40-110 s per config), not measured with these scripts.
 #
@@ -37,7 +41,8 @@
 # moe_results.json, profile_top_kernels.txt; the first 6 that exist, the rest only inside the tgz).
 # stdout ends with the summary (stage table + each stage's own table).
 # Env: OUT, WORK, DEADLINE (s from start; 570), T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
-#      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, UPDATE_ARGS, GEMM_ARGS, STARTUP_ARGS (extra args per script), UPDATE_SCRIPT.
+#      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, UPDATE_ARGS, GEMM_ARGS, STARTUP_ARGS, DEMO_ARGS, RL_ARGS (extra args per
+#      script), UPDATE_SCRIPT.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 T0=$(date +%s)
@@ -129,6 +134,8 @@ for st in "$@"; do
     startup)
       $PY scripts/gpu/make_models.py "$MODELS" qwen3-8b >/dev/null
       run_stage startup 150 560 $PY scripts/bench_startup.py --model-dir "$MODELS" --out "$WORK/startup" ${STARTUP_ARGS:-} ;;
+    demo)
+      run_stage demo 90 480 $PY -m sglang_fp8rl.demo --keep "$WORK/demo" ${DEMO_ARGS:-} ;;
     update)
       us=${UPDATE_SCRIPT:-scripts/bench_update.py}
       if [ -f "$us" ]; then
@@ -138,6 +145,9 @@ for st in "$@"; do
       else
         say "update: $us not in this checkout, skipped"; record update skipped 0 "$us absent"
       fi ;;
+    rl)
+      l=$(left); run_stage rl 240 580 $PY scripts/rl_regression.py --out "$WORK/rl" --max-seconds $(( l - 40 )) \
+        ${RL_ARGS:-} ;;
     *) say "unknown stage $st"; record "$st" unknown 0 "" ;;
   esac
 done
@@ -160,6 +170,9 @@ SUM=$WORK/suite_summary_$STAMP.md
       quant) [ -f "$LOGS/quant.log" ] && { echo; echo "## quant"; tail -40 "$LOGS/quant.log"; } ;;
       update) [ -f "$WORK/update/summary.md" ] && { echo; echo "## update"; cat "$WORK/update/summary.md"; } ;;
       startup) [ -f "$WORK/startup/summary.md" ] && { echo; cat "$WORK/startup/summary.md"; } ;;
+      rl) [ -f "$WORK/rl/summary.md" ] && { echo; cat "$WORK/rl/summary.md"; } ;;
+      demo) [ -f "$LOGS/demo.log" ] && { echo; echo "## demo"; grep -E "^\[demo\] .*(healthy|FAILED)" "$LOGS/demo.log"
+                sed -n '/^== \(scheme summary\|server start-up\)/,$p' "$LOGS/demo.log" | cut -c1-250; } ;;
       gemm) [ -f "$LOGS/gemm.log" ] && { echo; echo "## gemm"; grep -E "^\||^copy" "$LOGS/gemm.log" | head -60; } ;;
     esac
   done
@@ -170,7 +183,7 @@ NCOPY=0
 for pair in rollout/results.json:rollout_results.json accuracy/accuracy.json:accuracy.json accuracy/accuracy.png:accuracy.png \
             server/check_server.json:check_server.json bench_quant.json:bench_quant.json moe/results.json:moe_results.json profile/profile_top_kernels.txt:profile_top_kernels.txt \
             update/update_results.json:update_results.json startup/startup_results.json:startup_results.json \
-            bench_gemm.json:bench_gemm.json; do
+            bench_gemm.json:bench_gemm.json rl/rl_results.json:rl_results.json rl/rl_curves.png:rl_curves.png; do
   src=$WORK/${pair%%:*}
   if [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && [ "$NCOPY" -lt 6 ]; then  # $OUT returns at most 8 files
     cp "$src" "$OUT/${pair##*:}" && NCOPY=$(( NCOPY + 1 ))
