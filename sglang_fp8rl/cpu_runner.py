@@ -14,7 +14,6 @@ import enum
 import importlib.machinery
 import sys
 import types
-from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,25 +124,14 @@ def build_runner(model_dir: str, server_args: Sequence[str] = (), tp_rank: int =
     return bench_runner
 
 
-def new_request(rid: int, ids: Sequence[int], max_new_tokens: int) -> Any:
-    """A greedy SGLang ``Req`` for the token ids ``ids``, ready for a prefill of the whole prompt."""
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
-    req = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", ids),
-              sampling_params=SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
-    req.full_untruncated_fill_ids = req.origin_input_ids
-    req.logprob_start_len = -1
-    req.set_extend_range(0, len(ids))
-    return req
-
-
 def greedy_generate(bench_runner: Any, ids: Sequence[int], max_new_tokens: int) -> list[int]:
     """Greedy tokens after ``ids``: one prefill, then one decode step per token (fresh KV pool)."""
     from sglang.benchmark.one_batch import decode, extend
 
+    from sglang_fp8rl.kv_scales.calibrate import prefill_request
+
     bench_runner.clear()
-    next_ids, _, batch = extend([new_request(0, ids, max_new_tokens)], bench_runner.torch_runner)
+    next_ids, _, batch = extend([prefill_request(0, ids, max_new_tokens)], bench_runner.torch_runner)
     out = [int(next_ids[0])]
     for _ in range(max_new_tokens - 1):
         next_ids, _ = decode(next_ids, batch, bench_runner.torch_runner)

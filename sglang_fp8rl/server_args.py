@@ -22,6 +22,7 @@ from sglang_fp8rl.kernels.jit_warmup import AUTO_WORKERS as AUTO_JIT_WORKERS
 from sglang_fp8rl.quant import SCALE_FORMATS
 
 ENV_VAR = "FP8RL_OPTIONS"
+KV_SCALE_OPTIONS = ("auto", "static", "calibrate")  # auto: calibrate with an FP8 E4M3 KV cache (kv_scales/)
 QUANTIZATION_NAME = "fp8_online_blockwise"
 _PARSER_MARK = "_fp8rl_options_added"
 
@@ -37,6 +38,8 @@ class Fp8rlOptions:
     gemm_select: str = "auto"
     gemm_tune_budget_s: float = DEFAULT_GEMM_TUNE_BUDGET_S
     jit_workers: int = AUTO_JIT_WORKERS
+    kv_scales: str = "auto"
+    kv_calibration: str = ""
 
     def __post_init__(self) -> None:
         for name in ("bf16_first_layers", "bf16_last_layers"):
@@ -53,6 +56,10 @@ class Fp8rlOptions:
         workers = self.jit_workers
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < AUTO_JIT_WORKERS:
             raise ValueError(f"--fp8rl-jit-workers must be an integer >= {AUTO_JIT_WORKERS}, got {workers!r}")
+        if self.kv_scales not in KV_SCALE_OPTIONS:
+            raise ValueError(f"--fp8rl-kv-scales must be one of {KV_SCALE_OPTIONS}, got {self.kv_scales!r}")
+        if not isinstance(self.kv_calibration, str):
+            raise ValueError(f"--fp8rl-kv-calibration must be a path, got {self.kv_calibration!r}")
         object.__setattr__(self, "ignore", tuple(self.ignore))
         for pattern in self.ignore:
             try:
@@ -145,6 +152,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Processes that compile DeepGEMM's kernels for the CUDA-graph sizes in parallel before capture "
              f"({AUTO_JIT_WORKERS} = by CPU count and free GPU memory, 0 = none: SGLang compiles them one by one "
              "during capture).",
+    )
+    group.add_argument(
+        _flag("kv_scales"), choices=KV_SCALE_OPTIONS, default=d.kv_scales,
+        help="FP8 KV-cache scales: calibrate = measured on the engine at load and after every complete weight "
+             "update; static = SGLang's (1.0 unless the checkpoint has them); auto = calibrate with "
+             "--kv-cache-dtype fp8_e4m3, else static.",
+    )
+    group.add_argument(
+        _flag("kv_calibration"), default=d.kv_calibration, metavar="JSON",
+        help="Calibration batch for the KV scales: a JSON list of token-id lists (default: 4 x 512 tokens of a "
+             "built-in mixed text, through the model's tokenizer).",
     )
 
 

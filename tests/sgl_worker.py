@@ -11,7 +11,8 @@ import json
 import os
 import sys
 
-from sglang_fp8rl.cpu_runner import build_runner, install_cpu_stubs, new_request
+from sglang_fp8rl.cpu_runner import build_runner, install_cpu_stubs
+from sglang_fp8rl.kv_scales.calibrate import prefill_request
 
 install_cpu_stubs()
 
@@ -27,7 +28,7 @@ def logits_for(bench_runner, prompts=PROMPTS) -> list[torch.Tensor]:
     out = []
     for rid, ids in enumerate(prompts):
         bench_runner.clear()
-        _, logits, _ = extend([new_request(rid, ids, max_new_tokens=1)], bench_runner.torch_runner)
+        _, logits, _ = extend([prefill_request(rid, ids, max_new_tokens=1)], bench_runner.torch_runner)
         out.append(logits[0].float().clone())
     return out
 
@@ -253,6 +254,43 @@ def scenario_atomic(runner, extra: dict) -> dict:
             "last_request_names": requests[-1]["names"], "formats": [r["load_format"] for r in requests]}
 
 
+def scenario_kv(runner, extra: dict) -> dict:
+    """FP8 KV scales on the engine: the load-time calibration, an update completing a step (layer 0's v_proj x8),
+    the recalibration SGLang's scheduler would trigger, trainer-supplied scales good and bad."""
+    from types import SimpleNamespace
+
+    from sglang_fp8rl.hooks.kv_cache import recalibrate_if_due
+    from sglang_fp8rl.hooks.scheduler import telemetry
+    from sglang_fp8rl.kv_scales.calibrate import kv_scale_record
+    from sglang_fp8rl.kv_scales.engine import kv_state
+    from sglang_fp8rl.kv_scales.layers import attention_layers, read_scales, tensors_match_floats
+
+    mr = runner.torch_runner
+    model, updater = mr.model, mr.weight_updater
+    layers = attention_layers(model)
+    out = {"mode": kv_state().mode, "batch": kv_state().batch_source, "load": kv_scale_record().as_dict(),
+           "ptrs": [layer.k_scale.data_ptr() for layer in layers] if kv_state().calibrating else []}
+    sd = torch.load(extra["state_dict"], weights_only=False)
+    name = "model.layers.0.self_attn.v_proj.weight"
+    manager = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=mr), flush_cache=lambda: True)
+    out["update"] = updater.update_weights_from_tensor([(name, sd[name] * 8), ("fp8rl.step_complete", torch.zeros(()))])
+    out["due"] = kv_state().due
+    recalibrate_if_due(manager)
+    out["after_step"] = kv_scale_record().as_dict()
+    before = read_scales(layers) if kv_state().calibrating else {}
+    answers = {}
+    for case, value in (("good", 0.3), ("nan", float("nan")), ("zero", 0.0), ("negative", -1.0)):
+        answers[case] = updater.update_weights_from_tensor(
+            [("model.layers.1.self_attn.k_scale", torch.tensor(value)), ("model.layers.1.self_attn.v_scale",
+                                                                        torch.tensor([0.25]))])
+        answers[case + "_scales"] = read_scales(layers) if kv_state().calibrating else {}
+    calibrating = kv_state().calibrating
+    out.update(answers=answers, before_trainer=before, floats_match=tensors_match_floats(layers) if calibrating else None,
+               ptrs_after=[layer.k_scale.data_ptr() for layer in layers] if kv_state().calibrating else [],
+               telemetry=telemetry(model)["kv_scales"])
+    return out
+
+
 def scenario_malformed(runner, extra: dict) -> dict:
     """The malformed-request suite (tests/malformed_cases.py), every case in this one process."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -263,7 +301,7 @@ def scenario_malformed(runner, extra: dict) -> dict:
 
 SCENARIOS = {"client": scenario_client, "load": scenario_load, "updates": scenario_updates, "leak": scenario_leak,
              "device_failure": scenario_device_failure, "malformed": scenario_malformed,
-             "tp_fault": scenario_tp_fault, "atomic": scenario_atomic}
+             "tp_fault": scenario_tp_fault, "atomic": scenario_atomic, "kv": scenario_kv}
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, int]] = [
     ("sglang_fp8rl.kernels", 1),
     ("sglang_fp8rl.server_args", 2),
     ("sglang_fp8rl.layers", 3),
+    ("sglang_fp8rl.kv_scales", 3),
     ("sglang_fp8rl.weight_sync", 4),
     ("sglang_fp8rl.hooks", 5),
     ("sglang_fp8rl.plugin", 6),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from sglang_fp8rl.hooks.kv_cache import set_up_kv_scales
 from sglang_fp8rl.kernels import deepgemm, gemm_select, jit_warmup
 from sglang_fp8rl.layers.linear import block_shapes
 from sglang_fp8rl.server_args import get_options
@@ -47,6 +48,7 @@ def wrap_load_model(original: Callable) -> Callable:
         result = original(self, *args, **kwargs)
         if attach(self.model):
             logger.info("[fp8rl] weight updates of this model are validated and re-quantized in place")
+            set_up_kv_scales(self)
             prepare_gemms(self)
         return result
 

@@ -12,6 +12,8 @@ from typing import Any, Callable, Optional
 import torch
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
+from sglang_fp8rl.kv_scales.calibrate import kv_scale_record
+from sglang_fp8rl.kv_scales.engine import describe, kv_state
 from sglang_fp8rl.layers.config import scheme_report
 from sglang_fp8rl.weight_sync.update import engine_state, is_attached, last_update_stats
 
@@ -28,6 +30,7 @@ def telemetry(model: Optional[torch.nn.Module]) -> dict[str, Any]:
         "inconsistent_reason": state.inconsistent_reason,
         "last_update": last_update_stats(),
         "schemes": report.as_dict() if report is not None else None,
+        "kv_scales": describe(kv_state(), kv_scale_record().as_dict()),
     }
 
 

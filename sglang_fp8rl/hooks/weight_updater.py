@@ -25,7 +25,9 @@ from sglang.srt.model_loader.utils import set_default_torch_dtype
 from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
+from sglang_fp8rl.kv_scales.engine import mark_due
 from sglang_fp8rl.weight_sync import guard
+from sglang_fp8rl.weight_sync.kv_updates import prepare_kv_scales, split_kv_scales, write_kv_scales
 from sglang_fp8rl.weight_sync.fp8_payload import STEP_COMPLETE, attach_scales, pair_stream, split_control
 from sglang_fp8rl.weight_sync.update import apply_validated, is_attached, original_load_weights, validated_stream
 from sglang_fp8rl.weight_sync.validate import (
@@ -65,17 +67,27 @@ def check_sglang_preconditions(updater: Any, op: str) -> None:
 
 
 def prepared_request(model: torch.nn.Module, named: NamedTensors, validate_only: bool = False) -> guard.Prepared:
-    """Validate a request of named tensors, pre-quantized FP8 and control entries included (nothing is written)."""
+    """Validate a request of named tensors, pre-quantized FP8, KV scales and control entries included (nothing is
+    written)."""
     weights, control = split_control(named)
+    weights, kv_entries = split_kv_scales(weights)
     nbytes = sum(t.numel() * t.element_size() for _, t in weights if isinstance(t, torch.Tensor))
     validated = validate_request(model, original_load_weights(model), attach_scales(weights))
     return guard.Prepared(validated, tensors=len(weights), bytes=nbytes, validate_only=validate_only,
-                          step_complete=STEP_COMPLETE in control)
+                          step_complete=STEP_COMPLETE in control, kv_scales=prepare_kv_scales(model, kv_entries))
 
 
 def writer(model: torch.nn.Module) -> Callable[[guard.Prepared], None]:
-    """Write a prepared request through the model's own loaders."""
-    return lambda prepared: apply_validated(model, original_load_weights(model), prepared.validated.to_load)
+    """Write a prepared request through the model's own loaders, then its KV scales; a completed step makes a KV
+    recalibration due."""
+    def write(prepared: guard.Prepared) -> None:
+        apply_validated(model, original_load_weights(model), prepared.validated.to_load)
+        if prepared.kv_scales:
+            write_kv_scales(model, prepared.kv_scales)
+        if prepared.step_complete:
+            mark_due()
+
+    return write
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -310,6 +322,8 @@ def wrap_update_from_disk(original: Callable) -> Callable:
                 ok, message = original(self, model_path, load_format, weight_name_filter, recapture_cuda_graph)
             if not ok:
                 raise RuntimeError(message)
+            if prepared.full:
+                mark_due()
 
         return guard.run(model, "disk", prepare, write, context=f"checkpoint {model_path!r}")
 

@@ -183,12 +183,12 @@ def _send_tensors(target: Any, bucket: list, tp_size: Optional[int], load_format
 
 
 def push_state_dict(target: Any, weights: NamedTensors, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                    timeout: float = DEFAULT_TIMEOUT_S, atomic: bool = True) -> list:
+                    timeout: float = DEFAULT_TIMEOUT_S, atomic: bool = True, complete: bool = True) -> list:
     """Push one trainer step by tensor, bucket by bucket; the KV cache is flushed once, after the last bucket.
 
     ``atomic`` (default): every bucket is first validated by the engine (requests that write nothing), and only if
-    all pass are they applied, so a refused bucket leaves every weight as it was. The last bucket carries the
-    step-complete marker. ``weights`` may mix BF16/FP16/FP32 tensors and pre-quantized FP8 (``<name>`` as
+    all pass are they applied, so a refused bucket leaves every weight as it was. With ``complete`` (default) the
+    last bucket carries the step-complete marker (an engine with calibrated FP8 KV scales then recalibrates). ``weights`` may mix BF16/FP16/FP32 tensors and pre-quantized FP8 (``<name>`` as
     float8_e4m3fn codes with ``<name>_scale_inv``). Returns the engine's answers to the writing requests."""
     chunks = list(buckets(weights, bucket_bytes))
     for bucket in chunks:
@@ -200,13 +200,22 @@ def push_state_dict(target: Any, weights: NamedTensors, bucket_bytes: int = DEFA
         for i, bucket in enumerate(chunks):
             what = f"step validation (bucket {i + 1}/{len(chunks)}: {bucket[0][0]} ...), nothing of the step written"
             _send_tensors(target, bucket, tp_size, VALIDATE_ONLY, False, what, timeout)
-    chunks[-1] = chunks[-1] + [(STEP_COMPLETE, torch.zeros(()))]
+    if complete:
+        chunks[-1] = chunks[-1] + [(STEP_COMPLETE, torch.zeros(()))]
     answers = []
     for i, bucket in enumerate(chunks):
         last = i == len(chunks) - 1
         what = f"update_weights_from_tensor (bucket {i + 1}/{len(chunks)}: {bucket[0][0]} ...)"
         answers.append(_send_tensors(target, bucket, tp_size, None, last, what, timeout))
     return answers
+
+
+def recalibrate_kv_scales(target: Any, timeout: float = DEFAULT_TIMEOUT_S) -> Any:
+    """Ask an engine with ``--fp8rl-kv-scales calibrate`` to recalibrate its KV scales now (a request that carries
+    only the step-complete marker; the engine measures once it is idle)."""
+    tp_size = _tp_size(target, timeout) if isinstance(target, str) else None
+    return _send_tensors(target, [(STEP_COMPLETE, torch.zeros(()))], tp_size, None, True,
+                         "recalibrate_kv_scales", timeout)
 
 
 def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict]:

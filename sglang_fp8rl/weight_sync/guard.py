@@ -47,6 +47,7 @@ class Prepared:
     full: bool = False  # it rewrites every weight of the model (a disk update without a name filter)
     validate_only: bool = False  # the first phase of an all-or-nothing step: answer, write nothing
     step_complete: bool = False  # the last request of a trainer step
+    kv_scales: Optional[dict[int, tuple[float, float]]] = None  # trainer-supplied, written after the weights
 
 
 def _describe(error: BaseException, context: str = "") -> str:

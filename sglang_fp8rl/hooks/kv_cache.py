@@ -1,0 +1,125 @@
+"""FP8 KV-cache scales on the engine (``--fp8rl-kv-scales calibrate``): set up after load, made CUDA-graph safe before
+capture, calibrated after capture, and recalibrated after every complete weight update while the engine is idle.
+
+* ``ModelRunner.load_model`` (via :mod:`.model_runner`): resolve the mode, give every attention layer scale tensors,
+  choose the calibration batch.
+* ``ModelRunner.init_attention_backends``: backends that pass Python-float scales to their decode kernels (Triton,
+  FlashInfer) get the decode fold (kv_scales/decode_fold.py) before any graph is captured.
+* ``ModelRunner.init_cuda_graphs``: the load-time calibration (the pools are still empty).
+* ``SchedulerWeightUpdaterManager.update_weights_from_*``: after SGLang answered and flushed, if the update completed a
+  step, the TP ranks agree that each is idle with enough free KV slots, then recalibrate together; otherwise the
+  previous scales stay and the skip is counted (``deferred`` in the telemetry).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from sglang_fp8rl.kv_scales import resolve_kv_scale_mode
+from sglang_fp8rl.kv_scales.calibrate import recalibrate
+from sglang_fp8rl.kv_scales.decode_fold import install_decode_fold
+from sglang_fp8rl.kv_scales.engine import batch_within, calibration_batch, kv_state, set_up, take_due
+from sglang_fp8rl.kv_scales.layers import attach_scales, attention_layers
+from sglang_fp8rl.server_args import get_options
+from sglang_fp8rl.weight_sync.consensus import Verdict, agree
+
+logger = logging.getLogger(__name__)
+
+RECALIBRATION_ERRORS = (ValueError, RuntimeError)  # non-finite K/V, too few KV slots: the old scales stay
+
+
+def set_up_kv_scales(runner: Any) -> None:
+    """After load: the mode in force and, when calibrating, scale tensors on every attention layer and the batch."""
+    args = runner.server_args
+    mode = resolve_kv_scale_mode(get_options().kv_scales, str(getattr(args, "kv_cache_dtype", "auto")),
+                                 getattr(args, "quantization", None))
+    if mode != "calibrate":
+        set_up(mode, [], "")
+        return
+    attach_scales(runner.model, torch.device(runner.device))
+    tokenizer = None if getattr(args, "skip_tokenizer_init", False) and not args.tokenizer_path else \
+        (args.tokenizer_path or args.model_path)
+    ids, source = calibration_batch(get_options().kv_calibration, tokenizer, runner.model_config.vocab_size)
+    set_up(mode, ids, source)
+    logger.info("[fp8rl] KV scales: calibrated on the engine (%d tokens of %s)", sum(map(len, ids)), source)
+
+
+def tp_device_group() -> Optional[Any]:
+    """The TP group of device tensors (for the amax all-reduce), None with a single rank."""
+    from sglang.srt.distributed import parallel_state
+
+    group = parallel_state.get_tp_group()
+    return group.device_group if group.world_size > 1 else None
+
+
+def calibrate_now(runner: Any) -> None:
+    """Measure and write the KV scales (every TP rank together; the batch fits the free KV slots)."""
+    state = kv_state()
+    ids = batch_within(state.token_ids, runner.token_to_kv_pool_allocator.available_size())
+    recalibrate(runner, ids, state.policy, tp_device_group())
+
+
+def wrap_init_attention_backends(original: Callable) -> Callable:
+    """ModelRunner.init_attention_backends, then the decode fold where the backend reads float scales."""
+    def init_attention_backends(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if kv_state().calibrating:
+            install_decode_fold(self.attn_backend)  # raises UnsupportedBackend: refused at start
+        return result
+
+    return init_attention_backends
+
+
+def wrap_init_cuda_graphs(original: Callable) -> Callable:
+    """ModelRunner.init_cuda_graphs, then the load-time calibration."""
+    def init_cuda_graphs(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if kv_state().calibrating:
+            calibrate_now(self)
+        return result
+
+    return init_cuda_graphs
+
+
+def ready_to_calibrate(manager: Any, runner: Any) -> Verdict:
+    """This rank is idle with its cache flushed and enough free KV slots for the calibration batch."""
+    if not manager.flush_cache():
+        return Verdict(False, "requests are running")
+    try:
+        batch_within(kv_state().token_ids, runner.token_to_kv_pool_allocator.available_size())
+    except ValueError as e:
+        return Verdict(False, str(e))
+    return Verdict(True)
+
+
+def recalibrate_if_due(manager: Any) -> None:
+    """After an update answered success: recalibrate when it completed a step and every rank is ready."""
+    runner = manager.tp_worker.model_runner
+    state = kv_state()
+    if not state.calibrating or not take_due(len(attention_layers(runner.model))):
+        return
+    verdict = agree(ready_to_calibrate(manager, runner))
+    if not verdict.ok:
+        state.deferred += 1
+        logger.warning("[fp8rl] KV scales not recalibrated after this update (%s); the previous scales stay",
+                       verdict.message)
+        return
+    try:
+        calibrate_now(runner)
+    except RECALIBRATION_ERRORS as e:
+        state.deferred += 1
+        logger.warning("[fp8rl] KV recalibration failed, the previous scales stay: %s", e)
+
+
+def wrap_scheduler_update(original: Callable) -> Callable:
+    """SchedulerWeightUpdaterManager.update_weights_from_*: SGLang's answer (and flush), then a due recalibration."""
+    def update(self, recv_req):
+        output = original(self, recv_req)
+        if getattr(output, "success", False):
+            recalibrate_if_due(self)
+        return output
+
+    return update

@@ -1,0 +1,238 @@
+"""Recalibration on the engine: one prefill of a fixed token batch through SGLang's ModelRunner, K/V amax observed
+at the attention backend, per-layer scales written in place.
+
+The forward is SGLang's own benchmark path (``sglang.benchmark.one_batch.extend``: a ``ScheduleBatch`` over the live
+pools with a stand-in prefix cache, ``ForwardBatch.init_new``, ``ModelRunner.forward``), the one the CPU tests and
+``bench_one_batch`` already drive. Its KV slots come from the live allocator and are given back afterwards, so the
+caller must hold the scheduler idle with the prefix cache flushed (after a weight update SGLang flushes it anyway):
+cached K/V written under the old scales would otherwise be read back under the new ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from array import array
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from sglang_fp8rl.kv_scales.layers import attention_layers, layer_labels, read_scales, write_scales
+from sglang_fp8rl.kv_scales.numerics import ScalePolicy, scales_from_amax
+from sglang_fp8rl.kv_scales.observer import KVAmaxObserver, observing
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CALIBRATION_SEQS = 4
+DEFAULT_CALIBRATION_SEQ_LEN = 512
+
+# Mixed-domain text for the default calibration batch: prose, code, math, structured data, two other scripts.
+CALIBRATION_TEXT = (
+    "The committee met on a cold morning in early March to review the results of the previous quarter. Revenue had "
+    "grown, but the costs of the new warehouse were higher than anyone had planned, and two of the largest customers "
+    "had asked to renegotiate their contracts before the summer.\n\n"
+    "def merge_intervals(intervals):\n    intervals.sort(key=lambda pair: pair[0])\n    merged = []\n"
+    "    for start, end in intervals:\n        if merged and start <= merged[-1][1]:\n"
+    "            merged[-1][1] = max(merged[-1][1], end)\n        else:\n            merged.append([start, end])\n"
+    "    return merged\n\n"
+    "Let f(x) = 3x^2 - 12x + 7. Setting f'(x) = 6x - 12 = 0 gives x = 2, and f(2) = 12 - 24 + 7 = -5, so the minimum "
+    "of f is -5. The sum of the first n odd numbers is n^2; for n = 17 it is 289.\n\n"
+    '{"id": 4821, "name": "sensor-7", "readings": [21.4, 21.9, 22.3, 21.8], "status": "ok", "tags": ["north", '
+    '"roof"]}\n\n'
+    "Question: A train leaves at 9:40 and arrives at 13:15. How long is the journey? Answer: 3 hours 35 minutes.\n\n"
+    "Die Bibliothek bleibt am Montag geschlossen. 图书馆周一闭馆，请在周二再来。 Il pleut depuis trois jours.\n"
+)
+
+
+def calibration_token_ids(tokenizer: Any, num_seqs: int = DEFAULT_CALIBRATION_SEQS,
+                          seq_len: int = DEFAULT_CALIBRATION_SEQ_LEN) -> list[list[int]]:
+    """The default batch: ``num_seqs`` windows of ``seq_len`` tokens over the repeated calibration text.
+
+    Each window starts at a different offset, so no two sequences share a prefix."""
+    ids = list(tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))
+    if not ids:
+        raise ValueError("the tokenizer turned the calibration text into no tokens")
+    stride = max(1, len(ids) // max(1, num_seqs))
+    need = seq_len + stride * num_seqs
+    stream = ids * (need // len(ids) + 1)
+    return [stream[i * stride:i * stride + seq_len] for i in range(num_seqs)]
+
+
+def load_token_ids(path: str) -> list[list[int]]:
+    """A calibration batch from a JSON file: a list of token-id lists."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the KV calibration batch {path!r}: {e}") from e
+    if not isinstance(data, list) or not all(isinstance(seq, list) for seq in data):
+        raise ValueError(f"{path}: the KV calibration batch must be a JSON list of token-id lists")
+    return [[int(t) for t in seq] for seq in data]
+
+
+def check_token_ids(token_ids: Sequence[Sequence[int]], vocab_size: int, max_tokens: Optional[int] = None) -> int:
+    """Validate a calibration batch (non-empty sequences of in-vocabulary ids); returns its token count."""
+    if not token_ids or any(len(seq) == 0 for seq in token_ids):
+        raise ValueError("the KV calibration batch needs at least one sequence and no empty one")
+    bad = [t for seq in token_ids for t in seq if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"KV calibration token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    total = sum(len(seq) for seq in token_ids)
+    if max_tokens is not None and total > max_tokens:
+        raise ValueError(f"the KV calibration batch has {total} tokens, more than the {max_tokens} allowed")
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the forward
+
+
+def _release(model_runner: Any, reqs: Sequence[Any]) -> None:
+    """Give the requests' KV slots and request slots back (only what the allocation actually handed out)."""
+    pool, allocator = model_runner.req_to_token_pool, model_runner.token_to_kv_pool_allocator
+    for req in reqs:
+        if req.req_pool_idx is None:
+            continue
+        if getattr(req, "kv", None) is not None:  # set by alloc_for_extend once the token slots are written
+            allocator.free(pool.req_to_token[req.req_pool_idx, :req.kv.kv_allocated_len])
+            req.kv = None
+        pool.free(req)
+
+
+def prefill_request(rid: Any, ids: Sequence[int], max_new_tokens: int) -> Any:
+    """A greedy SGLang ``Req`` for the token ids ``ids``, ready for a prefill of the whole prompt."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", ids),
+              sampling_params=SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
+    req.full_untruncated_fill_ids = req.origin_input_ids
+    req.logprob_start_len = -1
+    req.set_extend_range(0, len(ids))
+    return req
+
+
+def calibration_forward(model_runner: Any, token_ids: Sequence[Sequence[int]]) -> None:
+    """One prefill of ``token_ids`` (one request each) through ``model_runner``; every slot is given back."""
+    from sglang.benchmark.one_batch import extend
+
+    needed = sum(len(seq) for seq in token_ids)
+    free = model_runner.token_to_kv_pool_allocator.available_size()
+    if needed > free:
+        raise RuntimeError(f"KV calibration needs {needed} free KV slots, {free} are free (flush the cache first)")
+    reqs = [prefill_request(rid=f"fp8rl-kv-calibration-{i}", ids=list(seq), max_new_tokens=1)
+            for i, seq in enumerate(token_ids)]
+    try:
+        extend(reqs, model_runner)  # under torch.no_grad (one_batch.py:481)
+    finally:
+        _release(model_runner, reqs)
+
+
+def measure_amax(model_runner: Any, token_ids: Sequence[Sequence[int]],
+                 group: Optional[torch.distributed.ProcessGroup] = None) -> torch.Tensor:
+    """float64 ``[layers, 2]`` (K, V) amax of a calibration forward, in ``attention_layers`` order, on the CPU.
+
+    With ``group`` (the tensor-parallel group) the amax is the max over its ranks, so every rank derives the same
+    per-layer scales, as trainer-supplied scales are."""
+    layers = attention_layers(model_runner.model)
+    observer = KVAmaxObserver()
+    with observing(model_runner.attn_backend, observer):
+        calibration_forward(model_runner, token_ids)
+    table = observer.table([layer.layer_id for layer in layers])
+    if group is not None:
+        torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX, group=group)
+    return table.to("cpu", torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# recalibration and its record
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """One recalibration: what was measured and written."""
+
+    amax: dict[int, tuple[float, float]]
+    scales: dict[int, tuple[float, float]]
+    changed: tuple[int, ...]  # layers whose K or V scale changed
+    tokens: int
+    seconds: float
+    finished_at: float  # time.time()
+    source: str  # "calibration" or "trainer"
+
+    def summary(self) -> str:
+        """One log line."""
+        ks = [s[0] for s in self.scales.values()]
+        vs = [s[1] for s in self.scales.values()]
+        measured = f"on {self.tokens} tokens " if self.source == "calibration" else ""
+        return (f"[fp8rl] KV scales from {self.source} {measured}in {self.seconds * 1e3:.1f} ms: "
+                f"{len(self.scales)} layers, {len(self.changed)} changed, k in [{min(ks):g}, {max(ks):g}], "
+                f"v in [{min(vs):g}, {max(vs):g}]")
+
+
+class KVScaleRecord:
+    """The last scales written and how they were obtained (for /get_server_info); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.last: Optional[Calibration] = None
+        self.count = 0
+
+    def record(self, calibration: Calibration) -> None:
+        """Remember one write and log it once."""
+        with self._lock:
+            self.last = calibration
+            self.count += 1
+        logger.info("%s", calibration.summary())
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly telemetry: per-layer scales, amax, time and source of the last write."""
+        with self._lock:
+            last, count = self.last, self.count
+        if last is None:
+            return {"writes": 0}
+        return {"writes": count, "source": last.source, "time": last.finished_at, "seconds": last.seconds,
+                "tokens": last.tokens, "changed_layers": list(last.changed),
+                "scales": {str(i): list(s) for i, s in last.scales.items()},
+                "amax": {str(i): list(a) for i, a in last.amax.items()}}
+
+
+_RECORD = KVScaleRecord()
+
+
+def kv_scale_record() -> KVScaleRecord:
+    """This process's record of KV-scale writes."""
+    return _RECORD
+
+
+def apply_scales(layers: Sequence[Any], scales: dict[int, tuple[float, float]], *, source: str, tokens: int = 0,
+                 amax: Optional[dict[int, tuple[float, float]]] = None, started: Optional[float] = None) -> Calibration:
+    """Write ``scales`` in place (all or nothing), record and log the write; returns its record."""
+    started = time.perf_counter() if started is None else started
+    before = read_scales(layers)
+    written = write_scales(layers, scales)
+    changed = tuple(i for i, s in written.items() if before.get(i) != s)
+    calibration = Calibration(amax=amax or {}, scales=written, changed=changed, tokens=tokens,
+                              seconds=time.perf_counter() - started, finished_at=time.time(), source=source)
+    _RECORD.record(calibration)
+    return calibration
+
+
+def recalibrate(model_runner: Any, token_ids: Sequence[Sequence[int]], policy: ScalePolicy = ScalePolicy(),
+                group: Optional[torch.distributed.ProcessGroup] = None) -> Calibration:
+    """Measure K/V amax on ``token_ids`` and write the derived per-layer scales in place into every attention layer.
+
+    Raises (``ValueError`` for non-finite K/V, ``RuntimeError`` for too few free KV slots) without writing anything;
+    the previous scales then stay in force."""
+    started = time.perf_counter()
+    layers = attention_layers(model_runner.model)
+    ids = [layer.layer_id for layer in layers]
+    amax = measure_amax(model_runner, token_ids, group)
+    scales = scales_from_amax(amax, policy, layer_labels(layers))
+    return apply_scales(layers, {i: tuple(row) for i, row in zip(ids, scales.tolist())}, source="calibration",
+                        tokens=sum(len(seq) for seq in token_ids), started=started,
+                        amax={i: tuple(row) for i, row in zip(ids, amax.tolist())})

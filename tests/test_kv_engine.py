@@ -1,0 +1,57 @@
+"""FP8 KV scales wired into the engine (hooks/kv_cache.py, weight_sync/kv_updates.py) through SGLang's CPU
+ModelRunner: calibrated at load, recalibrated after an update that completes a step, trainer scales validated and
+written in place; with a BF16 KV cache nothing changes and trainer scales are refused.
+
+(The torch-native CPU attention ignores KV scales, so these tests check the scales, not the attention outputs; the
+GPU tests and scripts/gpu/check_kv.py cover the backends.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_model import TINY, random_state_dict, run_worker, write_checkpoint
+
+pytestmark = pytest.mark.slow
+
+QUANT = ("--quantization", "fp8_online_blockwise")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kv_engine")
+    sd = write_checkpoint(str(d / "w0"), TINY, seed=60)
+    torch.save(sd, d / "w0.pt")
+    return d
+
+
+def test_calibrated_kv_scales_follow_the_policy(model):
+    out = run_worker("kv", str(model / "w0"), str(model / "kv.pt"), *QUANT, "--kv-cache-dtype", "fp8_e4m3",
+                     extra={"state_dict": str(model / "w0.pt")})
+    assert out["mode"] == "calibrate" and "tokenizer" in out["batch"]
+    load = out["load"]
+    assert load["writes"] == 1 and load["source"] == "calibration" and load["tokens"] == 512  # the CPU pool: 512
+    assert out["update"][0] and out["due"]
+    step = out["after_step"]
+    assert step["writes"] == 2 and step["source"] == "calibration"
+    # v_proj x 8 on layer 0: its V amax is exactly 8x (its input does not change), its power-of-two V scale too
+    assert step["amax"]["0"][1] == 8 * load["amax"]["0"][1] and step["scales"]["0"][1] == 8 * load["scales"]["0"][1]
+    assert step["scales"]["0"][0] == load["scales"]["0"][0]
+    answers = out["answers"]
+    assert answers["good"][0], answers["good"]
+    k, v = answers["good_scales"][1]
+    assert (k, v) == (0.5, 0.25)  # 0.3 rounded up to a power of two, like calibrated scales; v as sent
+    for bad in ("nan", "zero", "negative"):
+        ok, message = answers[bad]
+        assert not ok and "nothing was written" in message and "KV scale" in message, message
+        assert answers[bad + "_scales"] == answers["good_scales"]
+    assert out["floats_match"] and out["ptrs"] == out["ptrs_after"]
+    assert out["telemetry"]["mode"] == "calibrate" and out["telemetry"]["writes"] == 3
+
+
+def test_static_mode_keeps_sglangs_scales_and_refuses_trainer_scales(model):
+    out = run_worker("kv", str(model / "w0"), str(model / "kv_static.pt"), *QUANT,
+                     extra={"state_dict": str(model / "w0.pt")})
+    assert out["mode"] == "static" and out["load"] == {"writes": 0}
+    assert out["update"][0] and not out["due"] and out["after_step"] == {"writes": 0}
+    ok, message = out["answers"]["good"]
+    assert not ok and "--fp8rl-kv-scales calibrate" in message
