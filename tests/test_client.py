@@ -154,3 +154,27 @@ def test_distributed_push_end_to_end_with_an_engine_rejection(fake_engine):
     assert [a["message"] for a in answers] == ["sums [4.0]", "sums [12.0]"]
     with pytest.raises(WeightPushError, match="reject.me: refused by the engine"):
         push_distributed(fake_engine, {"reject.me": torch.ones(2)}, group, group_name="fp8rl_client", timeout=60)
+
+
+def test_cpu_payload_deserializes_in_an_unrelated_process(tmp_path):
+    """An engine is not in the trainer's multiprocessing family: a CPU tensor must travel by value (torch's
+    shared-memory reduction passes a file descriptor the engine may not fetch: 'digest sent was rejected')."""
+    import subprocess
+    import sys
+
+    payload = tmp_path / "payload.txt"
+    send = ("from sglang_fp8rl.cpu_runner import install_cpu_stubs; install_cpu_stubs()\n"
+            "import torch\n"
+            "from sglang_fp8rl.weight_sync.client import serialize_for_ranks\n"
+            "named = [('a', torch.arange(12.).reshape(3, 4).bfloat16()), ('fp8rl.step_complete', torch.zeros(()))]\n"
+            f"open({str(payload)!r}, 'w').write(serialize_for_ranks(named, 1)[0])\n")
+    receive = ("from sglang_fp8rl.cpu_runner import install_cpu_stubs; install_cpu_stubs()\n"
+               "import torch\n"
+               "from sglang.srt.utils import MultiprocessingSerializer\n"
+               f"back = MultiprocessingSerializer.deserialize(open({str(payload)!r}).read())\n"
+               "assert [n for n, _ in back] == ['a', 'fp8rl.step_complete']\n"
+               "assert torch.equal(back[0][1], torch.arange(12.).reshape(3, 4).bfloat16())\n"
+               "print('ok')\n")
+    assert subprocess.run([sys.executable, "-c", send], capture_output=True, timeout=300).returncode == 0
+    out = subprocess.run([sys.executable, "-c", receive], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

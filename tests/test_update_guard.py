@@ -216,3 +216,29 @@ def test_sglangs_not_optimized_warning_is_filtered_for_our_method_only(caplog):
         logger.warning(message, "awq")
     assert [r.getMessage().split()[0] for r in caplog.records] == ["awq"]
     assert len(logger.filters) == 1
+
+
+def test_calibrated_kv_write_saturates_instead_of_overflowing(monkeypatch):
+    """SGLang's real MHA pool on CPU: with calibrated scales the K/V write divides by the scale tensors in place, as
+    SGLang does, and clamps to +-448 before the E4M3 cast (on CUDA an overflowing cast gives NaN)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from sglang_fp8rl.hooks import kv_cache
+    from sglang_fp8rl.kv_scales import engine
+
+    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate"))
+    pool = MHATokenToKVPool(size=16, page_size=1, dtype=torch.float8_e4m3fn, head_num=1, head_dim=4, layer_num=1,
+                            device="cpu", enable_memory_saver=False)
+    layer = RadixAttention(num_heads=1, head_dim=4, scaling=1.0, num_kv_heads=1, layer_id=0)
+    write = kv_cache.wrap_set_kv_buffer(MHATokenToKVPool.set_kv_buffer)
+    k = torch.tensor([[[1.0, -2.0, 500.0, -900.0]]], dtype=torch.bfloat16)
+    v = torch.tensor([[[0.5, 0.25, 3.0, -3.0]]], dtype=torch.bfloat16)
+    write(pool, layer, torch.tensor([3]), k, v, torch.tensor(2.0), torch.tensor(0.5))
+    assert k.float().tolist() == [[[0.5, -1.0, 250.0, -448.0]]]  # divided in place (as SGLang), then saturated
+    assert pool.get_key_buffer(0)[3].float().tolist() == [[0.5, -1.0, 256.0, -448.0]]  # E4M3 of 250 is 256
+    assert pool.get_value_buffer(0)[3].float().tolist() == [[1.0, 0.5, 6.0, -6.0]]
+    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="static"))
+    k2 = torch.tensor([[[1.0, -2.0, 500.0, -900.0]]], dtype=torch.bfloat16)
+    write(pool, layer, torch.tensor([4]), k2, v.clone(), torch.tensor(2.0), torch.tensor(0.5))
+    assert k2.float().tolist() == [[[0.5, -1.0, 250.0, -450.0]]]  # static: SGLang's own write, untouched

@@ -34,6 +34,7 @@ UPDATE_ENTRY_POINTS = {
 
 def install_hooks() -> None:
     """Install all engine patches (idempotent)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
@@ -42,6 +43,7 @@ def install_hooks() -> None:
     patch(ModelRunner, "load_model", model_runner.wrap_load_model)
     patch(ModelRunner, "init_attention_backends", kv_cache.wrap_init_attention_backends)
     patch(ModelRunner, "init_cuda_graphs", kv_cache.wrap_init_cuda_graphs)
+    patch(MHATokenToKVPool, "set_kv_buffer", kv_cache.wrap_set_kv_buffer)
     for name, wrap in UPDATE_ENTRY_POINTS.items():
         patch(WeightUpdater, name, wrap)
     try:

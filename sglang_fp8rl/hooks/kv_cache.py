@@ -6,6 +6,8 @@ capture, calibrated after capture, and recalibrated after every complete weight 
 * ``ModelRunner.init_attention_backends``: backends that pass Python-float scales to their decode kernels (Triton,
   FlashInfer) get the decode fold (kv_scales/decode_fold.py) before any graph is captured.
 * ``ModelRunner.init_cuda_graphs``: the load-time calibration (the pools are still empty).
+* ``MHATokenToKVPool.set_kv_buffer``: K/V saturated at +-448 after the division by their scales (an overflowing E4M3
+  cast gives NaN on CUDA).
 * ``SchedulerWeightUpdaterManager.update_weights_from_*``: after SGLang answered and flushed, if the update completed a
   step, the TP ranks agree that each is idle with enough free KV slots, then recalibrate together; otherwise the
   previous scales stay and the skip is counted (``deferred`` in the telemetry).
@@ -13,6 +15,7 @@ capture, calibrated after capture, and recalibrated after every complete weight 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Callable, Optional
 
@@ -23,6 +26,7 @@ from sglang_fp8rl.kv_scales.calibrate import recalibrate
 from sglang_fp8rl.kv_scales.decode_fold import install_decode_fold
 from sglang_fp8rl.kv_scales.engine import batch_within, calibration_batch, kv_state, set_up, take_due
 from sglang_fp8rl.kv_scales.layers import attach_scales, attention_layers
+from sglang_fp8rl.kv_scales.numerics import saturating_scale_
 from sglang_fp8rl.server_args import get_options
 from sglang_fp8rl.weight_sync.consensus import Verdict, agree
 
@@ -112,6 +116,26 @@ def recalibrate_if_due(manager: Any) -> None:
     except RECALIBRATION_ERRORS as e:
         state.deferred += 1
         logger.warning("[fp8rl] KV recalibration failed, the previous scales stay: %s", e)
+
+
+def wrap_set_kv_buffer(original: Callable) -> Callable:
+    """MHATokenToKVPool.set_kv_buffer with calibrated scales: K/V divided by their scale tensors in place, as SGLang
+    does, but saturated at +-448 before SGLang's cast to E4M3 (which yields NaN past 448 on CUDA)."""
+    signature = inspect.signature(original)
+
+    def set_kv_buffer(self, *args, **kwargs):
+        if not (kv_state().calibrating and self.dtype == torch.float8_e4m3fn):
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        cache_k, cache_v = bound.arguments["cache_k"], bound.arguments["cache_v"]
+        k_scale, v_scale = bound.arguments.get("k_scale"), bound.arguments.get("v_scale")
+        if cache_k.dtype != self.dtype and isinstance(k_scale, torch.Tensor) and isinstance(v_scale, torch.Tensor):
+            saturating_scale_(cache_k, k_scale)
+            saturating_scale_(cache_v, v_scale)
+            bound.arguments["k_scale"] = bound.arguments["v_scale"] = None  # divided already
+        return original(*bound.args, **bound.kwargs)
+
+    return set_kv_buffer
 
 
 def wrap_scheduler_update(original: Callable) -> Callable:

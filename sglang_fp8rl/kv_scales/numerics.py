@@ -137,3 +137,9 @@ def headroom(amax: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``448 * scale / amax``: how far the calibrated amax sits below saturation (>= margin by construction)."""
     amax = amax.detach().to("cpu", torch.float64).clamp(min=AMAX_FLOOR)
     return scales.detach().to("cpu", torch.float64) * FP8_MAX / amax
+
+
+def saturating_scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` in place, clamped to +-448: on CUDA (torch 2.11) an E4M3 cast of a value past 448 gives NaN, not
+    448, so a K/V beyond the calibrated range would turn into NaN attention; saturated, it is off by the clipping."""
+    return x.div_(scale).clamp_(-FP8_MAX, FP8_MAX)

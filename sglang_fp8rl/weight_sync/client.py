@@ -133,26 +133,31 @@ def _tp_size(url: str, timeout: float) -> int:
 # payload (SGLang's format, without patching torch for the whole process)
 
 
-def _reduce_tensor_with_uuid(tensor: torch.Tensor) -> tuple[Callable, tuple]:
-    """torch's reduction of a tensor; for a CUDA tensor, the device index replaced by the device's UUID."""
+def _reduce_tensor(tensor: torch.Tensor) -> tuple[Callable, tuple]:
+    """A CUDA tensor: torch's IPC reduction with the device index replaced by the device's UUID. Any other tensor:
+    its bytes (torch's shared-memory reduction passes a file descriptor that only processes of the sender's
+    multiprocessing family may fetch, which an engine started on its own is not)."""
+    if not tensor.is_cuda:
+        buf = io.BytesIO()
+        torch.save(tensor.detach().contiguous(), buf)
+        return torch.storage._load_from_bytes, (buf.getvalue(),)
     reduce = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)  # SGLang may have patched it
     rebuild, args = reduce(tensor)
-    if tensor.is_cuda:
-        uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
-        args = (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1:])
-    return rebuild, args
+    uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
+    return rebuild, (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1:])
 
 
 class _IpcPickler(ForkingPickler):
-    """ForkingPickler whose CUDA tensors carry their device UUID (what SGLang's receiving TP worker expects).
+    """ForkingPickler whose CUDA tensors carry their device UUID (what SGLang's receiving TP worker expects) and whose
+    CPU tensors carry their bytes.
 
     SGLang's own client patches torch's reductions for the whole process and for good; after that, CPU tensors no
-    longer pickle. This pickler has its own dispatch table instead: nothing global changes, CPU tensors pickle as
-    usual, and a bucket may mix CPU and CUDA tensors."""
+    longer pickle. This pickler has its own dispatch table instead: nothing global changes, and a bucket may mix CPU
+    and CUDA tensors."""
 
     _extra_reducers = {
         **ForkingPickler._extra_reducers,
-        **{cls: _reduce_tensor_with_uuid for cls in ForkingPickler._extra_reducers if issubclass(cls, torch.Tensor)},
+        **{cls: _reduce_tensor for cls in ForkingPickler._extra_reducers if issubclass(cls, torch.Tensor)},
     }
 
 
