@@ -55,3 +55,29 @@ def test_static_mode_keeps_sglangs_scales_and_refuses_trainer_scales(model):
     assert out["update"][0] and not out["due"] and out["after_step"] == {"writes": 0}
     ok, message = out["answers"]["good"]
     assert not ok and "--fp8rl-kv-scales calibrate" in message
+
+
+def test_calibration_batch_sources_and_limits(tmp_path):
+    """The batch: the user's file, else the built-in text through the tokenizer, else seeded random ids; always cut
+    to the context length, and to the free KV slots when it runs."""
+    import json
+
+    from sgl_model import write_tokenizer
+
+    from sglang_fp8rl.kv_scales.engine import batch_within, calibration_batch
+
+    path = tmp_path / "batch.json"
+    path.write_text(json.dumps([[1, 2, 3, 4, 5], [6, 7]]))
+    ids, source = calibration_batch(str(path), None, vocab_size=10, context_len=4)
+    assert ids == [[1, 2, 3], [6, 7]] and source == str(path)
+    ids, source = calibration_batch("", None, vocab_size=50, context_len=100)
+    assert len(ids) == 4 and all(len(s) == 99 for s in ids) and "random" in source
+    assert ids == calibration_batch("", None, vocab_size=50, context_len=100)[0]  # seeded: every start the same
+    write_tokenizer(str(tmp_path), 320)
+    ids, source = calibration_batch("", str(tmp_path), vocab_size=320, context_len=4096)
+    assert "tokenizer" in source and len(ids) == 4 and all(len(s) == 512 for s in ids)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        calibration_batch(str(path), None, vocab_size=5, context_len=10)
+    assert batch_within([[1, 2, 3, 4], [5, 6, 7, 8]], 6) == [[1, 2, 3], [5, 6, 7]]
+    with pytest.raises(ValueError, match="too few"):
+        batch_within([[1, 2], [3, 4], [5, 6]], 2)

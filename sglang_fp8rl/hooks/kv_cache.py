@@ -46,7 +46,8 @@ def set_up_kv_scales(runner: Any) -> None:
     attach_scales(runner.model, torch.device(runner.device))
     tokenizer = None if getattr(args, "skip_tokenizer_init", False) and not args.tokenizer_path else \
         (args.tokenizer_path or args.model_path)
-    ids, source = calibration_batch(get_options().kv_calibration, tokenizer, runner.model_config.vocab_size)
+    ids, source = calibration_batch(get_options().kv_calibration, tokenizer, runner.model_config.vocab_size,
+                                    runner.model_config.context_len)
     set_up(mode, ids, source)
     logger.info("[fp8rl] KV scales: calibrated on the engine (%d tokens of %s)", sum(map(len, ids)), source)
 

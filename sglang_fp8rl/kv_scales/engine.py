@@ -60,10 +60,10 @@ def random_token_ids(vocab_size: int, num_seqs: int = DEFAULT_CALIBRATION_SEQS,
     return [[rng.randrange(vocab_size) for _ in range(seq_len)] for _ in range(num_seqs)]
 
 
-def calibration_batch(path: str, tokenizer_path: Optional[str], vocab_size: int,
+def calibration_batch(path: str, tokenizer_path: Optional[str], vocab_size: int, context_len: int,
                       max_tokens: Optional[int] = None) -> tuple[list[list[int]], str]:
     """(token ids, where they come from): the user's JSON file, else the built-in text through the model's
-    tokenizer, else seeded random ids."""
+    tokenizer, else seeded random ids; every sequence cut to the model's context length."""
     if path:
         ids = load_token_ids(path)
         source = path
@@ -71,6 +71,7 @@ def calibration_batch(path: str, tokenizer_path: Optional[str], vocab_size: int,
         ids, source = _tokenized_text(tokenizer_path)
         if ids is None:
             ids, source = random_token_ids(vocab_size), f"random ids (seed {RANDOM_BATCH_SEED}; no tokenizer)"
+    ids = [seq[: max(1, context_len - 1)] for seq in ids]
     check_token_ids(ids, vocab_size, max_tokens)
     return ids, source
 
