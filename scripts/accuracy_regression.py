@@ -31,8 +31,22 @@ Reported (accuracy.json, summary.md, accuracy.png, printed table):
  * --task addition: exact-match accuracy of both engines (and HF greedy) on held-out problems of
    scripts/train_toy_policy.py (task spec from <model>/task.json).
 
+FP8 KV cache (issue 15): --arms picks the engines compared with BF16 (scripts/accuracy_kv.py):
+  fp8               --quantization (weights only, BF16 KV cache): the default, the run described above
+  fp8_kv_static     + kv_cache_dtype fp8_e4m3 with --fp8rl-kv-scales static (SGLang's scale 1.0)
+  fp8_kv_calibrate  + kv_cache_dtype fp8_e4m3 with --fp8rl-kv-scales calibrate (scales measured on the engine; with
+                    --task, on in-context task sequences written to OUT/kv_calibration.json, see --kv-calibration)
+and --policies the checkpoints: `original` (--model) and `drifted`, the same function with its K range x --drift-k
+and V range x --drift-v (powers of two, scripts/kv_drift.py; `auto` = the smallest power of two >= 64 (K) / 256 (V)
+that takes the measured amax past 4 x 448), written to OUT/policy_drifted. Each (policy, engine) record is stored
+under --records-dir; with --reuse a later call skips what is stored, so `--deadline-s` splits the work over calls.
+Reported per (policy, arm): KL(BF16 || arm), token_mult_prob_error, task accuracy; then the expectations (calibrate
+close to weight-only FP8; static worse on the drifted policy; drifted == original where the design says bit-identical).
+
   python scripts/accuracy_regression.py --model /tmp/toy_policy --task addition --out /tmp/acc
   python scripts/accuracy_regression.py --model /path/Qwen3-0.6B --prompts prompts.txt --max-new-tokens 64 --out /tmp/acc
+  python scripts/accuracy_regression.py --model /tmp/toy_policy --task addition --out /tmp/kv_acc \\
+      --arms fp8 fp8_kv_static fp8_kv_calibrate --policies original drifted --reuse --deadline-s 540
 
 Engine settings: attention_backend triton, sampling_backend pytorch, grammar_backend none, dtype bfloat16,
 mem_fraction_static 0.3, radix cache off (every request is computed in full), decode CUDA graphs on (one graph,
@@ -45,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -52,6 +67,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import accuracy_kv as AK  # noqa: E402  (scripts/accuracy_kv.py: the FP8-KV arms, pure)
 
 _CONSOLE = None
 
@@ -111,11 +129,18 @@ def argmax_token(d: dict):
 
 
 def token_mult_prob_error(lp_a, lp_b) -> float:
-    """NeMo-RL's token_mult_prob_error: mean over tokens of exp(|logp_a - logp_b|) (1.0 = identical)."""
+    """NeMo-RL's token_mult_prob_error: mean over tokens of exp(|logp_a - logp_b|) (1.0 = identical); pairs with a
+    None are skipped. Computed by sglang_fp8rl.rollout_correction (float64 here)."""
     pairs = [(a, b) for a, b in zip(lp_a, lp_b) if a is not None and b is not None]
     if not pairs:
         return float("nan")
-    return sum(math.exp(abs(a - b)) for a, b in pairs) / len(pairs)
+    import torch
+
+    from sglang_fp8rl.rollout_correction import token_mult_prob_error as tmpe
+
+    a = torch.tensor([x for x, _ in pairs], dtype=torch.float64)
+    b = torch.tensor([y for _, y in pairs], dtype=torch.float64)
+    return float(tmpe(a, b, torch.ones_like(a)))
 
 
 def matching_prefix_len(a, b) -> int:
@@ -192,13 +217,14 @@ def compare(prompts, bf16, fp8, hf=None, task_answers=None, decode_fn=None) -> d
     "score": [{"dists": [...], "token_logprobs": [...]}...]} with scoring over prompt + BF16 continuation.
     hf: {"bf16": [[lp per generated token]...], "fp8": [...]} (teacher-forced reference logprobs) or None."""
     kl_prompt, kl_cont, cov, top1_prompt, top1_cont = [], [], [], [], []
-    kl_by_pos = {}
+    kl_by_pos, nonfinite = {}, 0
     for i, pr in enumerate(prompts):
         P, Q = bf16["score"][i]["dists"], fp8["score"][i]["dists"]
         for j, (p, q) in enumerate(zip(P, Q)):
             if not p or not q:
                 continue
             kl, c, _ = kl_divergence(p, q)
+            nonfinite += not math.isfinite(kl)
             same = argmax_token(p) == argmax_token(q)
             if j + 1 >= len(pr):  # predicts a continuation token
                 kl_cont.append(kl)
@@ -217,6 +243,7 @@ def compare(prompts, bf16, fp8, hf=None, task_answers=None, decode_fn=None) -> d
         "top1_agreement_continuation": sum(top1_cont) / len(top1_cont) if top1_cont else None,
         "top1_agreement_prompt": sum(top1_prompt) / len(top1_prompt) if top1_prompt else None,
         "kl_mean_by_continuation_pos": {k: sum(v) / len(v) for k, v in sorted(kl_by_pos.items())},
+        "kl_nonfinite": nonfinite,  # NaN / inf KL positions (summaries drop NaN): a broken distribution
     }
     # token_mult_prob_error, engine-only: FP8 vs BF16 scoring of the BF16 continuations
     a, b = [], []
@@ -337,16 +364,32 @@ def _progress(total, desc):
         return _P()
 
 
-def run_engine(name, args, prompts, max_new_tokens, top_k, score_conts, quantization, log_path, stop_ids):
-    """Generate from `prompts`, then score prompt + score_conts[i] (or prompt + own continuation if None)."""
+def engine_kv_scales(engine):
+    """The plugin's KV-scale telemetry (/get_server_info internal_states[0].fp8rl.kv_scales), or None."""
+    try:
+        states = engine.get_server_info().get("internal_states") or [{}]
+        return (states[0].get("fp8rl") or {}).get("kv_scales")
+    except (AttributeError, KeyError, IndexError, TypeError, RuntimeError) as e:
+        say(f"no KV-scale telemetry: {e!r}")
+        return None
+
+
+def run_engine(name, args, prompts, max_new_tokens, top_k, score_conts, quantization, log_path, stop_ids,
+               model=None, engine_kwargs=None, options=None):
+    """Generate from `prompts`, then score prompt + score_conts[i] (or prompt + own continuation if None).
+
+    model: checkpoint folder (default --model); engine_kwargs: extra sglang.Engine kwargs of the arm (--engine-arg
+    still wins); options: Fp8rlOptions fields published to the engine's processes while it runs."""
     import sglang
 
-    kwargs = dict(model_path=args.model, tokenizer_path=args.model, dtype="bfloat16", attention_backend="triton",
+    model = model or args.model
+    kwargs = dict(model_path=model, tokenizer_path=model, dtype="bfloat16", attention_backend="triton",
                   sampling_backend="pytorch", grammar_backend="none", mem_fraction_static=args.mem_fraction_static,
                   disable_radix_cache=True, random_seed=args.seed, log_level=args.log_level,
                   cuda_graph_bs_decode=[args.chunk], disable_prefill_cuda_graph=not args.prefill_cuda_graph)
     if quantization:
         kwargs["quantization"] = quantization
+    kwargs.update(engine_kwargs or {})
     for kv in args.engine_arg:
         k, v = kv.split("=", 1)
         kwargs[k] = json.loads(v) if v[:1] in "[{0123456789-" or v in ("true", "false", "null") else v
@@ -355,12 +398,15 @@ def run_engine(name, args, prompts, max_new_tokens, top_k, score_conts, quantiza
         sp["stop_token_ids"] = list(stop_ids)
     rec = {"gen": [], "score": []}
     t0 = time.time()
-    with redirect_fds(log_path):
-        os.write(1, f"[accuracy] engine {name}: {json.dumps(kwargs)}\n".encode())
+    with redirect_fds(log_path), AK.fp8rl_options(options or {}):
+        os.write(1, f"[accuracy] engine {name}: {json.dumps(kwargs)}; fp8rl options {json.dumps(options or {})}\n"
+                 .encode())
         engine = sglang.Engine(**kwargs)
         t_start = time.time() - t0
         say(f"engine {name} up in {t_start:.0f} s (log {log_path})")
         try:
+            if kwargs.get("kv_cache_dtype"):
+                rec["kv_scales"] = engine_kv_scales(engine)
             bar = _progress(2 * len(prompts), f"{name} gen+score")
             for i in range(0, len(prompts), args.chunk):
                 chunk = prompts[i:i + args.chunk]
@@ -484,7 +530,30 @@ def parse_args(argv=None):
                    help="extra sglang.Engine kwarg (repeatable), e.g. --engine-arg fp8_gemm_backend=triton")
     p.add_argument("--log-level", default="info", help="engine log level (its log goes to OUT/engine_*.log)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--arms", nargs="+", choices=AK.ARMS, default=["fp8"],
+                   help="engines compared with BF16 (fp8 = weights only; fp8_kv_* add an FP8 KV cache)")
+    p.add_argument("--policies", nargs="+", choices=AK.POLICIES, default=["original"],
+                   help="original = --model; drifted = the same function with its K/V range scaled (kv_drift.py)")
+    p.add_argument("--drift-k", default="auto", help="K range factor of the drifted policy: a power of two or auto")
+    p.add_argument("--drift-v", default="auto", help="V range factor of the drifted policy: a power of two or auto")
+    p.add_argument("--kv-calibration", default="task",
+                   help="calibration batch of the calibrate arm: 'task' (in-context task sequences with --task, else "
+                        "the engine's default), 'default' (the engine's), or a JSON file of token-id lists")
+    p.add_argument("--records-dir", default=None, help="where each engine's record is stored (default OUT/records)")
+    p.add_argument("--reuse", action="store_true", help="reuse stored records made with the same settings")
+    p.add_argument("--deadline-s", type=float, default=0,
+                   help="wall budget of this call (s): engines that cannot get --min-engine-s are left for a later "
+                        "call with --reuse (exit code 3 until everything is measured); 0 = none")
+    p.add_argument("--min-engine-s", type=float, default=120, help="time an engine needs (start + work)")
+    a = p.parse_args(argv)
+    import kv_drift as D
+
+    try:
+        D.parse_factor(a.drift_k)
+        D.parse_factor(a.drift_v)
+    except ValueError as e:
+        p.error(str(e))
+    return a
 
 
 def load_prompts(args, tok):
@@ -502,7 +571,6 @@ def load_prompts(args, tok):
                     prompts.append(tok(line).input_ids)
         return prompts[:args.n_prompts], None, None, None
     if args.task == "addition":
-        sys.path.insert(0, HERE)
         import train_toy_policy as T
 
         task = dict(T.DEFAULT_TASK)
@@ -513,6 +581,177 @@ def load_prompts(args, tok):
         probs = T.test_problems(args.n_prompts, seed=4242, task=task)
         return [T.prompt_ids(a, b, task) for a, b in probs], [a + b for a, b in probs], task, probs
     raise SystemExit("give --task addition or --prompts FILE")
+
+
+DRIFT_AMAX_PROMPTS = 64  # sequences the drift's K/V amax is measured on
+
+
+def weights_stamp(model_dir: str) -> list:
+    """(file, size, mtime) of a checkpoint's weight files: a retrained or rewritten policy invalidates records."""
+    out = []
+    for fn in sorted(os.listdir(model_dir)):
+        if fn.endswith((".safetensors", ".bin")):
+            st = os.stat(os.path.join(model_dir, fn))
+            out.append([fn, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def hf_kv_amax(model_dir: str, sequences) -> list:
+    """Per-layer (K amax, V amax) of the HF model on `sequences` (CUDA in BF16 when available, else CPU float32)."""
+    import kv_drift as D
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cuda = torch.cuda.is_available()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
+    model = (model.cuda() if cuda else model).eval()
+    try:
+        return D.kv_amax(model, sequences)
+    finally:
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def prepare_drifted(args, amax_sequences) -> tuple[str, dict]:
+    """The drifted policy folder (OUT/policy_drifted; reused when made from the same checkpoint and request)."""
+    import kv_drift as D
+
+    dst = os.path.join(os.path.abspath(args.out), "policy_drifted")
+    requested = {"k": str(args.drift_k), "v": str(args.drift_v), "source_weights": weights_stamp(args.model)}
+    rec = D.read_drift_record(dst)
+    if rec and rec.get("requested") == requested and rec.get("source") == os.path.abspath(args.model):
+        say(f"drifted policy at {dst} reused (K x{rec['k_factor']}, V x{rec['v_factor']})")
+        return dst, rec
+    before = hf_kv_amax(args.model, amax_sequences)
+    k_amax, v_amax = max(k for k, _ in before), max(v for _, v in before)
+    factors = {}
+    for side, text, amax in (("k", args.drift_k, k_amax), ("v", args.drift_v, v_amax)):
+        f = D.parse_factor(text)
+        factors[side] = D.auto_factor(amax, D.DEFAULT_MIN_FACTOR[side]) if f == D.AUTO else f
+    rec = D.write_drifted_checkpoint(args.model, dst, factors["k"], factors["v"],
+                                     extra={"requested": requested, "k_amax_before": k_amax, "v_amax_before": v_amax,
+                                            "amax_before": before})
+    after = hf_kv_amax(dst, amax_sequences)
+    rec.update(k_amax_after=max(k for k, _ in after), v_amax_after=max(v for _, v in after), amax_after=after)
+    with open(os.path.join(dst, D.DRIFT_RECORD), "w") as f:
+        json.dump(rec, f, indent=1)
+    say(f"drifted policy -> {dst}: K x{rec['k_factor']} (amax {k_amax:.3g} -> {rec['k_amax_after']:.3g}), "
+        f"V x{rec['v_factor']} (amax {v_amax:.3g} -> {rec['v_amax_after']:.3g}); E4M3 max 448")
+    return dst, rec
+
+
+def task_calibration_batch(task, n: int = 64, seed: int = 7) -> list:
+    """In-context KV calibration sequences for the toy task: training-distribution problems with their answers
+    (the engine's default batch, 4 x 512 tokens of text, is out of the toy's vocabulary and 128-token context)."""
+    import random
+
+    import train_toy_policy as T
+
+    return [T.prompt_ids(a, b, task) + T.answer_ids(a, b, task)
+            for a, b in T.sample_problems(random.Random(seed), n, "train", task)]
+
+
+def resolve_kv_calibration(args, task) -> str:
+    """The calibration batch file of the calibrate arm ('' = the engine's built-in default)."""
+    if "fp8_kv_calibrate" not in args.arms or args.kv_calibration == "default":
+        return ""
+    if args.kv_calibration != "task":
+        return os.path.abspath(args.kv_calibration)
+    if task is None:
+        return ""
+    path = os.path.join(os.path.abspath(args.out), "kv_calibration.json")
+    with open(path, "w") as f:
+        json.dump(task_calibration_batch(task), f)
+    return path
+
+
+def _file_digest(path: str) -> str:
+    if not path:
+        return ""
+    with open(path, "rb") as f:
+        return hashlib.sha1(f.read()).hexdigest()[:16]
+
+
+def _fp8rl_lines(log_path: str) -> list:
+    with open(log_path, errors="replace") as f:
+        return [ln[ln.index("[fp8rl]"):].strip()[:400] for ln in f if "[fp8rl]" in ln][:20]
+
+
+def _plot_primary(args, prompts, bf16, fp8, title):
+    kl_cont, kl_prompt, kl_by_pos = [], [], {}
+    for i, pr in enumerate(prompts):
+        for j, (p, q) in enumerate(zip(bf16["score"][i]["dists"], fp8["score"][i]["dists"])):
+            if p and q:
+                kl = kl_divergence(p, q)[0]
+                if j + 1 >= len(pr):
+                    kl_cont.append(kl)
+                    kl_by_pos.setdefault(j + 1 - len(pr), []).append(kl)
+                else:
+                    kl_prompt.append(kl)
+    try:
+        plot({"kl_cont": kl_cont, "kl_prompt": kl_prompt, "kl_by_pos": kl_by_pos, "title": title},
+             os.path.join(args.out, "accuracy.png"))
+    except (ImportError, OSError, ValueError, RuntimeError) as e:  # the numbers matter more than the picture
+        say(f"plot failed: {e!r}")
+
+
+ENGINE_ERRORS = (RuntimeError, ValueError, TimeoutError, KeyError)  # engine start / request failures
+
+
+class _Run:
+    """One call's engines: stored records reused (--reuse), the rest run while the deadline allows."""
+
+    def __init__(self, args, prompts, top_k, stop_ids, records_dir, kv_calibration, keep_records):
+        self.args, self.prompts, self.top_k, self.stop_ids = args, prompts, top_k, stop_ids
+        self.records_dir, self.kv_calibration, self.keep = records_dir, kv_calibration, keep_records
+        self.deadline = time.time() + args.deadline_s if args.deadline_s > 0 else None
+        self.recs, self.missing, self.failed = {}, [], {}
+
+    def _signature(self, policy_dir, name, conts):
+        a = self.args
+        cal = self.kv_calibration if name == "fp8_kv_calibrate" else ""
+        return AK.signature(model=policy_dir, weights=weights_stamp(policy_dir), name=name,
+                            prompts=AK.prompts_digest(self.prompts), conts=AK.prompts_digest(conts or []),
+                            top_k=self.top_k, max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
+                            chunk=a.chunk, mem=a.mem_fraction_static, prefill_graph=a.prefill_cuda_graph,
+                            engine_arg=a.engine_arg, quantization=None if name == "bf16" else a.quantization,
+                            kv_calibration=[cal, _file_digest(cal)])
+
+    def engine(self, policy, policy_dir, name, conts):
+        """The record of one engine (stored, or run now); None when the deadline leaves no time to start it."""
+        a = self.args
+        path = AK.record_path(self.records_dir, policy, name)
+        sig = self._signature(policy_dir, name, conts)
+        rec = AK.load_record(path, sig) if a.reuse else None
+        if rec is not None:
+            say(f"{policy}/{name}: reusing {path}")
+        elif self.deadline is not None and self.deadline - time.time() < a.min_engine_s:
+            say(f"SKIP {policy}/{name}: {self.deadline - time.time():.0f} s left of --deadline-s (needs "
+                f"{a.min_engine_s:.0f} s); call again with --reuse")
+            self.missing.append(f"{policy}/{name}")
+            return None
+        else:
+            ename = AK.engine_name(policy, name)
+            log_path = os.path.join(a.out, f"engine_{ename}.log")
+            open(log_path, "w").close()  # one engine's log, not an earlier call's
+            quant = None if name == "bf16" else a.quantization
+            try:
+                rec = run_engine(ename, a, self.prompts, a.max_new_tokens, self.top_k,
+                                 None if name == "bf16" else conts, quant, log_path, self.stop_ids, model=policy_dir,
+                                 engine_kwargs={} if name == "bf16" else AK.arm_engine_kwargs(name, quant),
+                                 options={} if name == "bf16" else AK.arm_options(name, self.kv_calibration))
+            except ENGINE_ERRORS as e:  # one broken arm must not cost the others (several arms only)
+                if not self.keep:
+                    raise
+                say(f"FAILED {policy}/{name}: {e!r} (log {log_path})")
+                self.failed[f"{policy}/{name}"] = f"{type(e).__name__}: {e}"[:500]
+                return None
+            rec["fp8rl"] = _fp8rl_lines(log_path)
+            if self.keep:
+                AK.save_record(path, sig, rec)
+        self.recs[(policy, name)] = rec
+        return rec
 
 
 def main(argv=None) -> int:
@@ -527,74 +766,91 @@ def main(argv=None) -> int:
     top_k = args.top_k or (vocab if vocab <= 256 else 20)
     top_k = min(top_k, vocab)
     prompts, answers, task, problems = load_prompts(args, tok)
-    if args.max_new_tokens is None:
-        if task is not None:
-            sys.path.insert(0, HERE)
-            import train_toy_policy as T
+    import train_toy_policy as T
 
-            args.max_new_tokens = T.max_answer_tokens(task)
-        else:
-            args.max_new_tokens = 32
+    if args.max_new_tokens is None:
+        args.max_new_tokens = T.max_answer_tokens(task) if task is not None else 32
+    AK.require_options(sorted({k for arm in args.arms for k in AK.arm_options(arm)}))
     stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    several = args.arms != ["fp8"] or args.policies != ["original"]
+    records_dir = os.path.abspath(args.records_dir or os.path.join(args.out, "records"))
+    kv_calibration = resolve_kv_calibration(args, task)
     meta = {"model": os.path.abspath(args.model), "quantization": args.quantization, "n_prompts": len(prompts),
             "top_k": top_k, "vocab_size": vocab, "kl_exact": top_k >= vocab, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "task": task, "argv": sys.argv,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+            "temperature": args.temperature, "task": task, "arms": args.arms, "policies": args.policies,
+            "kv_calibration": kv_calibration, "argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     say(f"{len(prompts)} prompts, top-{top_k} logprobs (vocab {vocab}{', exact KL' if meta['kl_exact'] else ''}), "
-        f"max_new_tokens {args.max_new_tokens}")
+        f"max_new_tokens {args.max_new_tokens}, arms {args.arms}, policies {args.policies}")
 
-    bf16 = run_engine("bf16", args, prompts, args.max_new_tokens, top_k, None, None,
-                      os.path.join(args.out, "engine_bf16.log"), stop_ids)
-    conts = [g["output_ids"] for g in bf16["gen"]]
-    fp8 = run_engine("fp8", args, prompts, args.max_new_tokens, top_k, conts, args.quantization,
-                     os.path.join(args.out, "engine_fp8.log"), stop_ids)
-    meta["engine_bf16_s"], meta["engine_fp8_s"] = bf16["seconds"], fp8["seconds"]
-    with open(os.path.join(args.out, "engine_fp8.log"), errors="replace") as f:
-        meta["fp8rl"] = [ln[ln.index("[fp8rl]"):].strip()[:400] for ln in f if "[fp8rl]" in ln][:20]
-
-    hf, hf_acc = None, None
-    if not args.no_hf_reference:
-        t = time.time()
-        hf, hf_acc = hf_reference(args.model, prompts, {"bf16": conts, "fp8": [g["output_ids"] for g in fp8["gen"]]},
-                                  task, problems)
-        say(f"HF reference scored in {time.time() - t:.0f} s")
-
+    policy_dirs = {"original": os.path.abspath(args.model)}
+    if "drifted" in args.policies:
+        amax_seqs = [list(p) for p in prompts[:DRIFT_AMAX_PROMPTS]]
+        if task is not None:  # the answers too: the K/V range of generated tokens
+            amax_seqs = [s + T.answer_ids(a, b, task) for s, (a, b) in zip(amax_seqs, problems)]
+        policy_dirs["drifted"], meta["drift"] = prepare_drifted(args, amax_seqs)
     decode_fn = None
     if task is not None:
-        import train_toy_policy as T
+        def decode_fn(ids):
+            return T.decode_answer(ids, task)
 
-        decode_fn = lambda ids: T.decode_answer(ids, task)  # noqa: E731
-    res = compare(prompts, bf16, fp8, hf, answers, decode_fn)
-    if hf_acc is not None:
-        res["task_exact_match_hf"] = hf_acc
+    run = _Run(args, prompts, top_k, stop_ids, records_dir, kv_calibration, keep_records=several)
+    table, hf_used = {}, {}
+    for policy in args.policies:
+        pdir = policy_dirs[policy]
+        bf16 = run.engine(policy, pdir, "bf16", None)
+        if bf16 is None:
+            run.missing += [f"{policy}/{arm}" for arm in args.arms if f"{policy}/bf16" in run.missing]
+            continue
+        conts = [g["output_ids"] for g in bf16["gen"]]
+        for arm in args.arms:
+            run.engine(policy, pdir, arm, conts)
+        present = [n for n in ["bf16", *args.arms] if (policy, n) in run.recs]
+        hf, hf_acc = None, None
+        if not args.no_hf_reference and len(present) > 1:
+            t = time.time()
+            hf, hf_acc = hf_reference(pdir, prompts, {n: [g["output_ids"] for g in run.recs[(policy, n)]["gen"]]
+                                                      for n in present}, task, problems)
+            hf_used[policy] = True
+            say(f"HF reference ({policy}) scored in {time.time() - t:.0f} s")
+        for arm in present[1:]:
+            res = compare(prompts, bf16, run.recs[(policy, arm)], {"bf16": hf["bf16"], "fp8": hf[arm]} if hf else None,
+                          answers, decode_fn)
+            if hf_acc is not None:
+                res["task_exact_match_hf"] = hf_acc
+            table.setdefault(policy, {})[arm] = res
+    diffs = {n: AK.record_diff(run.recs[("original", n)], run.recs[("drifted", n)]) for n in ["bf16", *args.arms]
+             if ("original", n) in run.recs and ("drifted", n) in run.recs}
+    meta["missing"], meta["failed"] = run.missing, run.failed
+    meta["kv_scales"] = {f"{p}/{n}": r.get("kv_scales") for (p, n), r in run.recs.items() if "kv_scales" in r}
     meta["seconds_total"] = time.time() - t_all
 
-    # per-position detail for the plot
-    kl_cont, kl_prompt, kl_by_pos = [], [], {}
-    for i, pr in enumerate(prompts):
-        for j, (p, q) in enumerate(zip(bf16["score"][i]["dists"], fp8["score"][i]["dists"])):
-            if p and q:
-                kl = kl_divergence(p, q)[0]
-                if j + 1 >= len(pr):
-                    kl_cont.append(kl)
-                    kl_by_pos.setdefault(j + 1 - len(pr), []).append(kl)
-                else:
-                    kl_prompt.append(kl)
-    try:
-        plot({"kl_cont": kl_cont, "kl_prompt": kl_prompt, "kl_by_pos": kl_by_pos,
-              "title": f"BF16 vs {args.quantization}: next-token KL ({os.path.basename(os.path.abspath(args.model))})"},
-             os.path.join(args.out, "accuracy.png"))
-    except (ImportError, OSError, ValueError, RuntimeError) as e:  # the numbers matter more than the picture
-        say(f"plot failed: {e!r}")
-    examples = [{"prompt": prompts[i], "bf16": bf16["gen"][i]["output_ids"], "fp8": fp8["gen"][i]["output_ids"]}
-                for i in range(min(5, len(prompts)))]
+    text_parts, metrics, examples = [], None, []
+    primary = next(((p, a) for p in args.policies for a in args.arms if a in table.get(p, {})), None)
+    if primary is not None:
+        p, a = primary
+        bf16, arm_rec = run.recs[(p, "bf16")], run.recs[(p, a)]
+        metrics = table[p][a]
+        label = args.quantization if a == "fp8" else f"{args.quantization} + {AK.ARM_DESC[a]}"
+        pmeta = {**meta, "quantization": label, "engine_bf16_s": bf16["seconds"], "engine_fp8_s": arm_rec["seconds"],
+                 "fp8rl": arm_rec.get("fp8rl", [])}
+        meta.update({k: pmeta[k] for k in ("engine_bf16_s", "engine_fp8_s", "fp8rl")})
+        _plot_primary(args, prompts, bf16, arm_rec,
+                      f"BF16 vs {label}: next-token KL ({os.path.basename(policy_dirs[p])})")
+        examples = [{"prompt": prompts[i], "bf16": bf16["gen"][i]["output_ids"], "fp8": arm_rec["gen"][i]["output_ids"]}
+                    for i in range(min(5, len(prompts)))]
+        text_parts.append(format_table(metrics, pmeta))
+    if several:
+        text_parts.append(AK.format_arms_table(table, diffs, meta))
+    out = {"meta": meta, "metrics": metrics, "examples": examples}
+    if several:
+        out.update(arms=table, cross_policy=diffs)
     with open(os.path.join(args.out, "accuracy.json"), "w") as f:
-        json.dump({"meta": meta, "metrics": res, "examples": examples}, f, indent=1, default=str)
-    text = format_table(res, meta)
+        json.dump(out, f, indent=1, default=str)
+    text = "\n\n".join(text_parts) or "no arm was measured (see the log)"
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text + "\n")
     print("\n" + text, flush=True)
-    return 0
+    return 1 if run.failed else (3 if run.missing else 0)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,41 @@
 #!/usr/bin/env python3
-"""Full-model weight update: BF16 engine vs FP8-online engine, same payload, by tensor (CUDA IPC) and from disk.
+"""Full-model weight update, side by side: BF16 engine vs FP8-online engine, same payload, every update path.
 
-Measures, per engine (`bf16` = no --quantization, `fp8` = --quantization fp8_online_blockwise) and per path:
-  * wall time of a full update (client-side clock around ``push_state_dict`` / ``push_from_disk``): one warm-up push,
-    then ``--repeats`` timed pushes;
-  * peak extra GPU memory during the update: a client thread samples device-wide used memory
-    (``torch.cuda.mem_get_info``, every ``--poll-ms``) and subtracts the level right before the push (which holds the
-    server's steady state and the client's payload);
-  * FP8 engine only: server-side validate_s / apply_s summed over the buckets of one extra per-bucket push (read from
-    ``/get_server_info`` internal_states[0]["fp8rl"]["last_update"] after every bucket), and the quantizer bandwidth
-    = bytes moved by the apply step (BF16 read + FP8 written + scales; BF16 params read + written) / apply_s,
-    against a device-to-device copy measured in the client (1 GiB, read + write bytes per second).
-Targets (issue): FP8 update <= 1.10x the BF16 update; peak extra memory <= the largest single tensor in BF16.
+Per engine (`bf16` = no --quantization, `fp8` = --quantization fp8_online_blockwise), one server at a time
+(`python -m sglang.launch_server`, `--load-format dummy`, the flags of scripts/gpu/check_server.py), CUDA IPC,
+``--bucket-mb`` buckets (default 512 MB). Paths (one warm-up push, then ``--repeats`` timed pushes each):
+  tensor         by tensor, ``push_state_dict(..., atomic=False)``: one request per bucket (the old behaviour; the
+                 only one a BF16 server takes)                                                     (both engines)
+  atomic         by tensor, ``atomic=True``: every bucket validated first (requests that write nothing), then
+                 applied                                                                                (fp8)
+  validate_only  the validate-only phase of the atomic step alone (load_format "fp8rl.validate")       (fp8)
+  prequant       pre-quantized FP8: every linear as float8_e4m3fn codes + power-of-two weight_scale_inv,
+                 ``atomic=False``                                                                       (fp8)
+  disk           ``push_from_disk`` of the BF16 payload saved as safetensors (``--disk-repeats``)       (both engines)
+Measured per path:
+  * wall time (client-side clock around the push);
+  * peak extra GPU memory: a client thread samples device-wide used memory (``torch.cuda.mem_get_info``, every
+    ``--poll-ms``) minus the level right before the push; and, on the FP8 engine, the server's own allocator peak
+    (``last_update.peak_extra_bytes``);
+  * FP8 engine: the validate / apply split from ``/get_server_info`` internal_states[0]["fp8rl"]["last_update"]
+    (summed over the buckets of one extra push, read after each bucket; the disk path's last_update), the bytes the
+    apply step moves (BF16 read + FP8 written + scales, or codes copied, plus BF16 params read + written), and that
+    traffic per apply second as a fraction of a device-to-device copy measured in the client (1 GiB, read + write).
+Targets (issue 16), FP8 engine against the BF16 engine: by tensor <= 1.10x BF16 by tensor; pre-quantized <= 0.80x
+BF16 by tensor; disk <= 1.30x BF16 disk; peak extra memory <= the largest single BF16 tensor (rounded up to the
+allocator's 2 MiB blocks); apply >= 50% of copy bandwidth. The atomic step's cost is reported against by tensor.
 
-Servers run one at a time (`python -m sglang.launch_server`, `--load-format dummy`, the flags of
-scripts/gpu/check_server.py). The payload (random BF16, every HF tensor of the shape) is generated once on the GPU
-in this process, kept there and reused for both engines; it is also saved once as safetensors under OUT/tmp/w1 for
-the disk path (in a background thread while the first server starts; deleted at the end unless --keep-tmp).
+The payload (random BF16, every HF tensor of the shape) is generated once on the GPU in this process and reused for
+both engines; it is also saved once as safetensors under OUT/tmp/w1 for the disk path (in a background thread while
+the first server starts; deleted at the end unless --keep-tmp). The pre-quantized payload is built from it on the
+GPU before the FP8 engine's prequant path and freed after it.
 
 Caveat on memory: the server's PyTorch caching allocator keeps what it once reserved, so device-wide polling sees
-only *new* reservations; temporaries served from blocks cached earlier (startup, a previous push) are invisible.
-The first push after startup ("first") is the most informative number; the timed pushes usually show ~0.
+only *new* reservations; the first push after startup is the most informative polled number.
 
 usage (GPU machine, after `source scripts/gpu/env.sh`):
   python3 scripts/bench_update.py --model-dir /tmp/fp8rl_suite/models --out /tmp/fp8rl_suite/update     (Qwen3-8B)
+  python3 scripts/bench_update.py --model-dir ... --out ... --skip-disk --repeats 3
   python3 scripts/bench_update.py --model-dir ... --out ... --model qwen3-small                         (fast)
 Writes OUT/update_results.json (after every step) and OUT/summary.md; prints the table and the target lines.
 """
@@ -31,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -39,7 +52,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "gpu"))
@@ -47,11 +60,18 @@ sys.path.insert(0, os.path.dirname(HERE))  # the repo root, for sglang_fp8rl whe
 
 GB = 1e9
 ENGINES = {"bf16": [], "fp8": ["--quantization", "fp8_online_blockwise"]}
-START_S_GUESS = {"qwen3-8b": 110.0, "qwen3-small": 70.0}
+PATHS = ("tensor", "atomic", "validate_only", "prequant", "disk")
+FP8_ONLY_PATHS = ("atomic", "validate_only", "prequant")
+# FP8 path -> (the BF16 path it is compared with, the largest allowed ratio)
+RATIO_TARGETS = {"tensor": ("tensor", 1.10), "prequant": ("tensor", 0.80), "disk": ("disk", 1.30)}
+APPLY_BW_TARGET = 0.5  # apply traffic per second, as a fraction of the device-to-device copy
+ALLOC_BLOCK = 2 << 20  # the CUDA caching allocator rounds large blocks up to 2 MiB
+TIME_SHARE = {"bf16": 2, "fp8": 3}  # of the deadline, per engine (unused time passes on to the next engine)
 BLOCK = 128
 
 
 def say(msg: str) -> None:
+    """A timestamped progress line."""
     print(f"[bench_update {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
@@ -64,19 +84,18 @@ def linear_names(shapes: dict[str, tuple[int, ...]]) -> list[str]:
     return [n for n, s in shapes.items() if len(s) == 2 and "embed_tokens" not in n and "lm_head" not in n]
 
 
-def apply_bytes(shapes: dict[str, tuple[int, ...]], block: int = BLOCK) -> dict[str, int]:
-    """Bytes the apply step moves on an FP8 engine: quantized linears read BF16 and write FP8 + fp32 block scales;
-    the other parameters (embeddings, lm_head, norms) are BF16 copies (read + write)."""
+def apply_bytes(shapes: dict[str, tuple[int, ...]], block: int = BLOCK, prequant: bool = False) -> dict[str, int]:
+    """Bytes the apply step moves on an FP8 engine. BF16 in: quantized linears read BF16 and write FP8 + fp32 block
+    scales. Pre-quantized: the codes and scales are copied (read + write). Either way the other parameters
+    (embeddings, lm_head, norms) are BF16 copies (read + write)."""
     lin = set(linear_names(shapes))
     quant_read = quant_write = copy_bytes = 0
     for name, s in shapes.items():
-        numel = 1
-        for d in s:
-            numel *= d
+        numel = math.prod(s)
         if name in lin:
-            n, k = s
-            quant_read += 2 * numel
-            quant_write += numel + 4 * (-(-n // block)) * (-(-k // block))
+            scales = 4 * math.ceil(s[0] / block) * math.ceil(s[1] / block)
+            quant_read += (numel + scales) if prequant else 2 * numel
+            quant_write += numel + scales
         else:
             copy_bytes += 2 * 2 * numel
     return {"quant_read": quant_read, "quant_write": quant_write, "bf16_copy_rw": copy_bytes,
@@ -84,17 +103,11 @@ def apply_bytes(shapes: dict[str, tuple[int, ...]], block: int = BLOCK) -> dict[
 
 
 def payload_stats(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    sizes = {n: 2 * _numel(s) for n, s in shapes.items()}
+    """Tensor count, BF16 bytes, and the largest tensor of the payload."""
+    sizes = {n: 2 * math.prod(s) for n, s in shapes.items()}
     largest = max(sizes, key=sizes.get)
     return {"tensors": len(sizes), "bytes": sum(sizes.values()), "largest_name": largest,
             "largest_bytes": sizes[largest]}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def sum_bucket_stats(stats: list[dict]) -> dict[str, Any]:
@@ -114,8 +127,84 @@ def sum_bucket_stats(stats: list[dict]) -> dict[str, Any]:
     return out
 
 
+def apply_bandwidth(rec: dict, moved: dict[str, int], d2d_GBps: Optional[float]) -> None:
+    """Add the apply step's traffic, its rate, and that rate against the copy bandwidth to a path's record."""
+    apply_s = (rec.get("server_telemetry") or {}).get("apply_s")
+    if not apply_s:
+        return
+    rec["apply_bytes"] = moved
+    rec["apply_GBps"] = moved["total"] / GB / apply_s
+    if d2d_GBps:
+        rec["apply_vs_d2d"] = rec["apply_GBps"] / d2d_GBps
+
+
 def _fmt(x: Optional[float], spec: str = ".2f") -> str:
     return "n/a" if x is None else format(x, spec)
+
+
+def _gb(x: Optional[float]) -> Optional[float]:
+    return None if x is None else x / GB
+
+
+def _mean(res: dict, eng: str, path: str) -> Optional[float]:
+    return res.get("engines", {}).get(eng, {}).get(path, {}).get("mean_s")
+
+
+def ratios(res: dict) -> dict[str, Optional[float]]:
+    """FP8 path time over its BF16 baseline (RATIO_TARGETS), and the atomic step over by tensor (FP8 engine)."""
+    out: dict[str, Optional[float]] = {}
+    for path, (base, _) in RATIO_TARGETS.items():
+        f, b = _mean(res, "fp8", path), _mean(res, "bf16", base)
+        out[path] = f / b if f and b else None
+    a, t = _mean(res, "fp8", "atomic"), _mean(res, "fp8", "tensor")
+    out["atomic_vs_fp8_tensor"] = a / t if a and t else None
+    return out
+
+
+def peak_extra(rec: dict) -> tuple[Optional[int], str]:
+    """The larger of the server's allocator peak and the device-wide polled peak of a path, and where it came from."""
+    server = (rec.get("server_telemetry") or {}).get("server_peak_extra_bytes")
+    polled = [x for x in (rec.get("peak_extra_first_bytes"), rec.get("peak_extra_timed_bytes")) if x is not None]
+    found = {"server allocator": server, "device-wide polling": max(polled) if polled else None}
+    found = {k: v for k, v in found.items() if v is not None}
+    if not found:
+        return None, ""
+    source = max(found, key=found.get)
+    return found[source], source
+
+
+def targets(res: dict) -> list[str]:
+    """The issue's targets as PASS/FAIL/UNKNOWN lines, plus the atomic step's cost."""
+    out = []
+    eng = res.get("engines", {})
+    r = ratios(res)
+    for path, (base, limit) in RATIO_TARGETS.items():
+        what = f"FP8 {path} <= {limit:.2f}x BF16 {base}"
+        if r[path] is None:
+            out.append(f"{what}: UNKNOWN (not measured on both engines)")
+            continue
+        f, b = _mean(res, "fp8", path), _mean(res, "bf16", base)
+        out.append(f"{what}: {f:.2f} s / {b:.2f} s = {r[path]:.2f}x -> {'PASS' if r[path] <= limit else 'FAIL'}")
+    largest = res["payload"]["largest_bytes"]
+    bound = math.ceil(largest / ALLOC_BLOCK) * ALLOC_BLOCK
+    for path in ("tensor", "atomic", "prequant", "disk"):
+        peak, source = peak_extra(eng.get("fp8", {}).get(path, {}))
+        what = f"FP8 peak extra memory <= largest BF16 tensor ({path})"
+        if peak is None:
+            out.append(f"{what}: UNKNOWN")
+            continue
+        out.append(f"{what}: {peak / GB:.3f} GB vs {largest / GB:.3f} GB -> {'PASS' if peak <= bound else 'FAIL'} "
+                   f"({source}; bound rounded up to the allocator's 2 MiB blocks: {bound / GB:.4f} GB)")
+    for path in ("tensor", "prequant"):
+        frac = eng.get("fp8", {}).get(path, {}).get("apply_vs_d2d")
+        what = f"FP8 apply >= {APPLY_BW_TARGET:.0%} of copy bandwidth ({path})"
+        out.append(f"{what}: UNKNOWN" if frac is None else
+                   f"{what}: {frac:.0%} -> {'PASS' if frac >= APPLY_BW_TARGET else 'FAIL'}")
+    a, t, v = _mean(res, "fp8", "atomic"), _mean(res, "fp8", "tensor"), _mean(res, "fp8", "validate_only")
+    if a and t:
+        out.append(f"FP8 atomic step (no target): {a:.2f} s vs {t:.2f} s by tensor = +{a - t:.2f} s "
+                   f"({r['atomic_vs_fp8_tensor']:.2f}x); validate-only phase alone {_fmt(v)} s")
+    return out
 
 
 def render(res: dict) -> str:
@@ -126,63 +215,35 @@ def render(res: dict) -> str:
              f"{res['payload']['largest_bytes'] / GB:.3f} GB; d2d copy {_fmt(res.get('d2d_copy_GBps'), '.0f')} GB/s "
              "(read + write)", "",
              "| engine | path | warm-up s | timed s | mean s | payload GB/s | peak extra first GB | "
-             "peak extra timed GB | server peak extra GB | validate s | apply s | quantizer GB/s (x d2d) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "peak extra timed GB | server peak extra GB | validate s | apply s | apply GB moved | "
+             "apply GB/s (x d2d) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for eng in ("bf16", "fp8"):
         e = res.get("engines", {}).get(eng, {})
-        for path in ("tensor", "disk"):
+        for path in PATHS:
             p = e.get(path)
             if not p:
                 continue
             if p.get("status") and p.get("status") != "ok" and not p.get("timed_s"):
-                lines.append(f"| {eng} | {path} | {p['status']} | | | | | | | | | |")
+                lines.append(f"| {eng} | {path} | {p['status']} | | | | | | | | | | |")
                 continue
             tele = p.get("server_telemetry") or {}
-            qbw = p.get("quantizer_GBps")
-            qcol = "n/a" if qbw is None else f"{qbw:.0f} ({p.get('quantizer_vs_d2d', 0):.2f}x)"
+            bw = p.get("apply_GBps")
+            bw_col = "n/a" if bw is None else f"{bw:.0f} ({p.get('apply_vs_d2d', 0):.2f}x)"
+            moved = (p.get("apply_bytes") or {}).get("total")
             timed = ", ".join(f"{t:.2f}" for t in p.get("timed_s", []))
             lines.append(
                 f"| {eng} | {path} | {_fmt(p.get('warmup_s'))} | {timed} | {_fmt(p.get('mean_s'))} | "
                 f"{_fmt(p.get('payload_GBps'), '.1f')} | {_fmt(_gb(p.get('peak_extra_first_bytes')), '.3f')} | "
                 f"{_fmt(_gb(p.get('peak_extra_timed_bytes')), '.3f')} | "
                 f"{_fmt(_gb(tele.get('server_peak_extra_bytes')), '.3f')} | {_fmt(tele.get('validate_s'), '.3f')} | "
-                f"{_fmt(tele.get('apply_s'), '.3f')} | {qcol} |")
+                f"{_fmt(tele.get('apply_s'), '.3f')} | {_fmt(_gb(moved), '.1f')} | {bw_col} |")
     lines.append("")
     for t in res.get("targets", []):
         lines.append(f"- {t}")
     for note in res.get("notes", []):
         lines.append(f"- note: {note}")
     return "\n".join(lines) + "\n"
-
-
-def _gb(x: Optional[float]) -> Optional[float]:
-    return None if x is None else x / GB
-
-
-def targets(res: dict) -> list[str]:
-    """The issue's two targets, as PASS/FAIL/UNKNOWN lines."""
-    out = []
-    eng = res.get("engines", {})
-    for path in ("tensor", "disk"):
-        b, f = eng.get("bf16", {}).get(path, {}), eng.get("fp8", {}).get(path, {})
-        if b.get("mean_s") and f.get("mean_s"):
-            r = f["mean_s"] / b["mean_s"]
-            out.append(f"FP8 update <= 1.10x BF16 ({path}): {f['mean_s']:.2f} s / {b['mean_s']:.2f} s = {r:.2f}x "
-                       f"-> {'PASS' if r <= 1.10 else 'FAIL'}")
-        else:
-            out.append(f"FP8 update <= 1.10x BF16 ({path}): UNKNOWN (not measured on both engines)")
-    largest = res["payload"]["largest_bytes"]
-    for path in ("tensor", "disk"):
-        f = eng.get("fp8", {}).get(path, {})
-        peaks = [x for x in (f.get("peak_extra_first_bytes"), f.get("peak_extra_timed_bytes")) if x is not None]
-        if peaks:
-            peak = max(peaks)
-            out.append(f"FP8 peak extra memory <= largest BF16 tensor ({path}): {peak / GB:.3f} GB vs "
-                       f"{largest / GB:.3f} GB -> {'PASS' if peak <= largest else 'FAIL'} (device-wide polling; "
-                       "a lower bound, see notes)")
-        else:
-            out.append(f"FP8 peak extra memory <= largest BF16 tensor ({path}): UNKNOWN")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -327,22 +388,52 @@ def save_payload(sd: dict, model_src: str, w1_dir: str, box: dict) -> None:
         box["error"] = f"{type(e).__name__}: {e}"
 
 
+def validate_only_push(url: str, weights: dict, bucket_bytes: int) -> int:
+    """The first phase of an atomic step alone: every bucket sent with load_format "fp8rl.validate" (the engine
+    validates and writes nothing); returns the number of buckets. Raises WeightPushError on a refusal."""
+    import requests
+
+    from sglang_fp8rl.weight_sync.client import VALIDATE_ONLY, WeightPushError, buckets, serialize_for_ranks
+
+    tp_size = int(requests.get(url + "/get_server_info", timeout=60).json().get("tp_size", 1))
+    n = 0
+    for n, bucket in enumerate(buckets(weights, bucket_bytes), 1):
+        body = {"serialized_named_tensors": serialize_for_ranks(bucket, tp_size), "load_format": VALIDATE_ONLY,
+                "flush_cache": False}
+        r = requests.post(url + "/update_weights_from_tensor", json=body, timeout=600)
+        if r.status_code != 200 or not r.json().get("success"):
+            raise WeightPushError(f"validate-only bucket {n} ({bucket[0][0]} ...): HTTP {r.status_code} {r.text[:500]}")
+    return n
+
+
+def telemetry_of(last: Optional[dict]) -> Optional[dict]:
+    """One update's last_update record in the form of sum_bucket_stats (the disk path is one streaming update)."""
+    return None if not last else sum_bucket_stats([last])
+
+
 class Bench:
-    def __init__(self, args: argparse.Namespace):
+    """One run: the engines one after the other, every path of each, the results saved after every step."""
+
+    def __init__(self, args: argparse.Namespace, argv: Optional[list[str]] = None):
         self.args = args
+        self.argv = list(argv or [])
         self.t0 = time.time()
         self.res: dict[str, Any] = {"engines": {}, "notes": [], "targets": []}
 
     def left(self) -> float:
+        """Seconds left of the deadline."""
         return self.args.deadline_s - (time.time() - self.t0)
 
     def save(self) -> None:
+        """Targets and ratios recomputed, OUT/update_results.json rewritten."""
         self.res["elapsed_s"] = time.time() - self.t0
-        self.res["targets"] = targets(self.res) if "payload" in self.res else []
+        if "payload" in self.res:
+            self.res["targets"] = targets(self.res)
+            self.res["ratios"] = ratios(self.res)
         with open(os.path.join(self.args.out, "update_results.json"), "w") as f:
             json.dump(self.res, f, indent=1, default=str)
 
-    def timed(self, fn, poller_period: float) -> tuple[float, int, Any]:
+    def timed(self, fn: Callable[[], Any], poller_period: float) -> tuple[float, int, Any]:
         """(wall s, peak extra bytes over the pre-push level, answer) of one update."""
         import torch
 
@@ -354,15 +445,16 @@ class Bench:
             wall = time.perf_counter() - t
         return wall, max(0, poll.peak - base), answer
 
-    def run_path(self, eng: str, path: str, push, phase_end: float, est_s: Optional[float]) -> dict:
+    def run_path(self, eng: str, path: str, push: Callable[[], Any], phase_end: float) -> dict:
         """Warm-up + repeats of one path, within this engine's share of the deadline."""
         a = self.args
         rec: dict[str, Any] = {"status": "ok", "timed_s": [], "peak_extra_timed_bytes": None}
         period = a.poll_ms / 1e3
-        reps = a.repeats if path == "tensor" else a.disk_repeats
-        warm = a.warmup if path == "tensor" else a.disk_warmup
+        reps = a.disk_repeats if path == "disk" else a.repeats
+        warm = a.disk_warmup if path == "disk" else a.warmup
         # first guess without a measurement: 2 GB/s by tensor, 1 GB/s from disk
-        est = est_s or self.res["payload"]["bytes"] / GB / (2.0 if path == "tensor" else 1.0)
+        est = self.res.setdefault("est_s", {}).get(path) or \
+            self.res["payload"]["bytes"] / GB / (1.0 if path == "disk" else 2.0)
         for i in range(warm + reps):
             if time.time() + est * 1.2 + 5 > phase_end:
                 rec["status"] = f"deadline: stopped after {i} of {warm + reps} pushes"
@@ -382,23 +474,72 @@ class Bench:
         if rec["timed_s"]:
             rec["mean_s"] = statistics.mean(rec["timed_s"])
             rec["payload_GBps"] = self.res["payload"]["bytes"] / GB / rec["mean_s"]
+            self.res["est_s"].setdefault(path, rec["timed_s"][0])
+        self.save()
         return rec
 
-    def telemetry_push(self, url: str, sd: dict) -> Optional[dict]:
-        """One extra push bucket by bucket, reading last_update after each (FP8 engine only)."""
+    def telemetry_push(self, url: str, weights: dict) -> Optional[dict]:
+        """One extra push bucket by bucket (atomic=False), reading last_update after each (FP8 engine only)."""
         from sglang_fp8rl.weight_sync.client import buckets, push_state_dict
 
         per = []
-        for bucket in buckets(sd, self.args.bucket_mb << 20):
-            push_state_dict(url, bucket, bucket_bytes=1 << 62)
+        for bucket in buckets(weights, self.args.bucket_mb << 20):
+            push_state_dict(url, bucket, bucket_bytes=1 << 62, atomic=False)
             last = fp8rl_info(url).get("last_update")
             if last is None:
                 return None
             per.append(last)
         return sum_bucket_stats(per)
 
+    def add_telemetry(self, rec: dict, url: str, weights: dict, prequant: bool, phase_end: float) -> None:
+        """The validate / apply split and the apply bandwidth of one path (FP8 engine), if time allows."""
+        if time.time() + (rec.get("mean_s") or 30) * 2 + 5 >= phase_end:
+            return
+        rec["server_telemetry"] = self.telemetry_push(url, weights)
+        apply_bandwidth(rec, apply_bytes(self.shapes, prequant=prequant), self.res.get("d2d_copy_GBps"))
+        self.save()
+
+    def fp8_paths(self, e: dict, url: str, sd: dict, push: Callable[..., Any], phase_end: float) -> None:
+        """The FP8 engine's own paths: telemetry of by tensor, the atomic step, its validate-only phase, and the
+        pre-quantized update (payload built here and freed after)."""
+        import torch
+        from server_payloads import prequantize
+
+        a = self.args
+        self.add_telemetry(e["tensor"], url, sd, False, phase_end)
+        e["atomic"] = self.run_path("fp8", "atomic", lambda: push(sd, True), phase_end)
+        e["validate_only"] = self.run_path("fp8", "validate_only",
+                                           lambda: validate_only_push(url, sd, a.bucket_mb << 20), phase_end)
+        t = time.time()
+        held = {"pq": prequantize(sd, scale_format="pow2")}  # codes + scales; the BF16 tensors are shared with sd
+        torch.cuda.synchronize()
+        e["prequant_build_s"] = time.time() - t
+        try:
+            e["prequant"] = self.run_path("fp8", "prequant", lambda: push(held["pq"], False), phase_end)
+            self.add_telemetry(e["prequant"], url, held["pq"], True, phase_end)
+        finally:
+            held.clear()
+            torch.cuda.empty_cache()
+
+    def disk_path(self, eng: str, e: dict, url: str, phase_end: float, disk_box: dict, w1_dir: str) -> None:
+        """push_from_disk of the saved payload; on the FP8 engine also its last_update split."""
+        from sglang_fp8rl.weight_sync.client import push_from_disk
+
+        if self.args.skip_disk:
+            e["disk"] = {"status": "skipped (--skip-disk)"}
+            return
+        if disk_box.get("thread") is not None:
+            disk_box["thread"].join(max(1.0, phase_end - time.time() - 30))
+        if not disk_box.get("ok"):
+            e["disk"] = {"status": f"skipped: checkpoint not written ({disk_box.get('error', 'not ready')})"}
+            return
+        e["disk"] = self.run_path(eng, "disk", lambda: push_from_disk(url, w1_dir), phase_end)
+        if eng == "fp8":
+            e["disk"]["server_telemetry"] = telemetry_of(fp8rl_info(url).get("last_update"))
+
     def run_engine(self, eng: str, sd: dict, model: str, phase_end: float, disk_box: dict, w1_dir: str) -> None:
-        from sglang_fp8rl.weight_sync.client import push_from_disk, push_state_dict
+        """Start one engine's server, run its paths, stop it (its error is recorded; the other engine still runs)."""
+        from sglang_fp8rl.weight_sync.client import push_state_dict
 
         a = self.args
         e: dict[str, Any] = {}
@@ -412,8 +553,7 @@ class Bench:
             e["startup_s"] = wait_healthy(a.port, proc, timeout=max(60.0, phase_end - time.time()))
             say(f"{eng}: healthy after {e['startup_s']:.0f} s")
             e["server_used_bytes"] = MemPoller.used() - pre_used
-            info = fp8rl_info(url)
-            e["schemes"] = info.get("schemes")
+            e["schemes"] = fp8rl_info(url).get("schemes")
             self.save()
 
             if disk_box.get("thread") is not None and disk_box["thread"].is_alive():
@@ -422,45 +562,18 @@ class Bench:
                 disk_box["thread"].join(max(1.0, phase_end - time.time() - 60))
                 e["waited_for_disk_save_s"] = time.time() - t
 
-            def tensor_push():
-                return push_state_dict(url, sd, bucket_bytes=a.bucket_mb << 20)
+            def push(weights: dict, atomic: bool) -> list:
+                return push_state_dict(url, weights, bucket_bytes=a.bucket_mb << 20, atomic=atomic)
 
-            e["tensor"] = self.run_path(eng, "tensor", tensor_push, phase_end, self.res.get("tensor_est_s"))
-            if e["tensor"].get("warmup_s"):
-                self.res.setdefault("tensor_est_s", e["tensor"]["warmup_s"])
-            self.save()
-            if eng == "fp8" and time.time() + (e["tensor"].get("mean_s") or 30) * 2 + 5 < phase_end:
-                tele = self.telemetry_push(url, sd)
-                e["tensor"]["server_telemetry"] = tele
-                if tele and tele["apply_s"] > 0:
-                    moved = apply_bytes(self.shapes)
-                    e["tensor"]["apply_bytes"] = moved
-                    e["tensor"]["quantizer_GBps"] = moved["total"] / GB / tele["apply_s"]
-                    e["tensor"]["quantizer_quant_only_GBps"] = \
-                        (moved["quant_read"] + moved["quant_write"]) / GB / tele["apply_s"]
-                    if self.res.get("d2d_copy_GBps"):
-                        e["tensor"]["quantizer_vs_d2d"] = e["tensor"]["quantizer_GBps"] / self.res["d2d_copy_GBps"]
-                self.save()
+            # atomic=False: a BF16 server does not know the validate-only format of the atomic step
+            e["tensor"] = self.run_path(eng, "tensor", lambda: push(sd, False), phase_end)
+            if eng == "fp8":
+                self.fp8_paths(e, url, sd, push, phase_end)
             try:
                 e["tokens_after_update"] = generate_ids(url)
-            except (OSError, RuntimeError, ValueError, KeyError) as ex:  # informative only (requests errors are OSError)
+            except (OSError, RuntimeError, ValueError, KeyError) as ex:  # informative only (requests: OSError)
                 e["tokens_after_update"] = f"generate failed: {ex}"
-
-            if a.skip_disk:
-                e["disk"] = {"status": "skipped (--skip-disk)"}
-            else:
-                if disk_box.get("thread") is not None:
-                    disk_box["thread"].join(max(1.0, phase_end - time.time() - 30))
-                if not disk_box.get("ok"):
-                    e["disk"] = {"status": f"skipped: checkpoint not written ({disk_box.get('error', 'not ready')})"}
-                else:
-                    e["disk"] = self.run_path(eng, "disk", lambda: push_from_disk(url, w1_dir), phase_end,
-                                              self.res.get("disk_est_s"))
-                    if e["disk"].get("timed_s"):
-                        self.res.setdefault("disk_est_s", e["disk"]["timed_s"][0])
-                    if eng == "fp8":
-                        last = fp8rl_info(url).get("last_update")
-                        e["disk"]["last_update_after"] = last
+            self.disk_path(eng, e, url, phase_end, disk_box, w1_dir)
             self.save()
         except (OSError, RuntimeError, ValueError, KeyError, TimeoutError) as ex:  # this engine's numbers are lost, the
             # other engine still runs; WeightPushError is a RuntimeError, requests' errors are OSErrors
@@ -471,6 +584,7 @@ class Bench:
             stop(proc, pre_used)
 
     def run(self) -> int:
+        """The whole benchmark; 0 when no engine failed."""
         import torch
 
         a = self.args
@@ -481,14 +595,17 @@ class Bench:
         model = ensure(a.model_dir, [a.model])[0]
         config = json.load(open(os.path.join(model, "config.json")))
         self.shapes = hf_shapes(config)
-        self.res.update(model=a.model, model_path=model, bucket_mb=a.bucket_mb, repeats=a.repeats,
+        self.res.update(command=" ".join(["python3 scripts/bench_update.py", *self.argv]),
+                        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                        model=a.model, model_path=model, bucket_mb=a.bucket_mb, repeats=a.repeats,
                         disk_repeats=a.disk_repeats, mem_fraction_static=a.mem, payload=payload_stats(self.shapes),
                         device=torch.cuda.get_device_name(), deadline_s=a.deadline_s)
         self.res["notes"].append("peak extra = max device-wide used memory during the push minus the level right "
                                  "before it (server steady state + client payload); the server's caching "
                                  "allocator hides reuse of blocks it reserved earlier, so this is a lower bound")
-        self.res["notes"].append("validate/apply: sum over the buckets of one extra push read from last_update "
-                                 "after each bucket; the disk path streams (no per-bucket stats)")
+        self.res["notes"].append("validate/apply: sum over the buckets of one extra push (atomic=False) read from "
+                                 "last_update after each bucket; the disk path: the last_update of its last update "
+                                 "(one streaming update)")
         self.res["d2d_copy_GBps"] = measure_d2d_copy() / GB
         say(f"d2d copy {self.res['d2d_copy_GBps']:.0f} GB/s (read + write)")
 
@@ -516,8 +633,9 @@ class Bench:
         try:
             engines = [x for x in ("bf16", "fp8") if x in a.engines]
             for idx, eng in enumerate(engines):
-                # equal shares of the time left for the engines still to run
-                phase_end = time.time() + self.left() / (len(engines) - idx)
+                # shares of the time left for the engines still to run (the FP8 engine has more paths)
+                share = TIME_SHARE[eng] / sum(TIME_SHARE[x] for x in engines[idx:])
+                phase_end = time.time() + self.left() * share
                 self.run_engine(eng, sd, model, phase_end, disk_box, w1_dir)
                 if disk_box.get("save_s") and "disk_save_s" not in self.res:
                     self.res["disk_save_s"] = disk_box["save_s"]
@@ -537,7 +655,8 @@ class Bench:
         return 0 if ok else 1
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--model-dir", required=True, help="folder of dummy-weight models (scripts/gpu/make_models.py; "
@@ -546,8 +665,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="qwen3-8b", choices=["qwen3-8b", "qwen3-small"])
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--deadline-s", type=float, default=530.0, help="whole-run budget in seconds (default 530)")
-    p.add_argument("--repeats", type=int, default=2, help="timed pushes per engine, by tensor (default 2)")
-    p.add_argument("--warmup", type=int, default=1, help="warm-up pushes per engine, by tensor (default 1)")
+    p.add_argument("--repeats", type=int, default=2, help="timed pushes per path other than disk (default 2)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up pushes per path other than disk (default 1)")
     p.add_argument("--disk-repeats", type=int, default=2, help="timed disk updates per engine (default 2)")
     p.add_argument("--disk-warmup", type=int, default=0,
                    help="warm-up disk updates per engine (default 0: the tensor path already warmed the kernels)")
@@ -560,7 +679,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     import torch
 
@@ -568,7 +688,8 @@ def main(argv=None) -> int:
         print("bench_update.py needs a CUDA GPU (it launches SGLang servers and pushes CUDA IPC handles)",
               file=sys.stderr)
         return 2
-    return Bench(args).run()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a suite timeout still stops the server (finally)
+    return Bench(args, argv).run()
 
 
 if __name__ == "__main__":

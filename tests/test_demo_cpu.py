@@ -188,32 +188,102 @@ def test_cpu_demo_runs_end_to_end():
     assert "changed: True" in out
 
 
-def test_bench_update_helpers():
+def qwen3_8b_shapes() -> dict:
     from check_server import hf_shapes
     from make_models import QWEN3_COMMON, QWEN3_SHAPES
 
-    shapes = hf_shapes(dict(QWEN3_COMMON, **QWEN3_SHAPES["qwen3-8b"]))
+    return hf_shapes(dict(QWEN3_COMMON, **QWEN3_SHAPES["qwen3-8b"]))
+
+
+def test_bench_update_helpers():
+    import math
+
+    shapes = qwen3_8b_shapes()
     ps = bench_update.payload_stats(shapes)
     assert ps["largest_bytes"] == 151936 * 4096 * 2 and ps["tensors"] == 3 + 11 * 36
     assert 16e9 < ps["bytes"] < 17e9
     moved = bench_update.apply_bytes(shapes)
-    lin = sum(bench_update._numel(shapes[n]) for n in bench_update.linear_names(shapes))
+    lin = sum(math.prod(shapes[n]) for n in bench_update.linear_names(shapes))
     assert moved["quant_read"] == 2 * lin and lin < moved["quant_write"] < lin * 1.01
     res = {"model": "qwen3-8b", "payload": ps, "bucket_mb": 512, "d2d_copy_GBps": 2900.0, "engines": {
         "bf16": {"tensor": {"timed_s": [2.0, 2.0], "mean_s": 2.0, "peak_extra_first_bytes": 0}},
         "fp8": {"tensor": {"timed_s": [2.4, 2.4], "mean_s": 2.4, "peak_extra_first_bytes": 2 * 10**9,
-                           "server_telemetry": {"validate_s": 1.0, "apply_s": 0.1}, "quantizer_GBps": 250.0,
-                           "quantizer_vs_d2d": 0.09}},
+                           "server_telemetry": {"validate_s": 1.0, "apply_s": 0.1}, "apply_GBps": 250.0,
+                           "apply_vs_d2d": 0.09}},
     }}
     res["targets"] = bench_update.targets(res)
     assert any("1.20x -> FAIL" in t for t in res["targets"])
-    assert any("(tensor): 2.000 GB vs 1.245 GB -> FAIL" in t for t in res["targets"])
+    assert any("(tensor): 2.000 GB vs 1.245 GB -> FAIL (device-wide polling" in t for t in res["targets"])
     assert any("(disk): UNKNOWN" in t for t in res["targets"])
+    assert any(t.startswith("FP8 prequant <= 0.80x BF16 tensor: UNKNOWN") for t in res["targets"])
+    assert any("FP8 apply >= 50% of copy bandwidth (tensor): 9% -> FAIL" in t for t in res["targets"])
     md = bench_update.render(res)
     assert "| fp8 | tensor |" in md and "250 (0.09x)" in md
     s = bench_update.sum_bucket_stats([{"ok": True, "tensors": 2, "apply_s": 0.5, "fp8_layers_written": {"block": 2}},
                                        {"ok": True, "tensors": 1, "apply_s": 0.25, "fp8_layers_written": {"block": 1}}])
     assert s["tensors"] == 3 and s["apply_s"] == 0.75 and s["fp8_layers_written"] == {"block": 3}
+
+
+def test_bench_update_prequant_bytes_and_bandwidth():
+    """A pre-quantized update copies codes and scales (read = write); BF16 in reads twice what FP8 writes."""
+    shapes = qwen3_8b_shapes()
+    bf16_in, pre = bench_update.apply_bytes(shapes), bench_update.apply_bytes(shapes, prequant=True)
+    assert pre["quant_read"] == pre["quant_write"] == bf16_in["quant_write"]
+    assert pre["bf16_copy_rw"] == bf16_in["bf16_copy_rw"] and pre["total"] < bf16_in["total"]
+    rec = {"server_telemetry": {"apply_s": 0.5}}
+    bench_update.apply_bandwidth(rec, {"total": 10**9}, 2000.0)
+    assert rec["apply_GBps"] == 2.0 and rec["apply_vs_d2d"] == 0.001 and rec["apply_bytes"] == {"total": 10**9}
+    rec = {"server_telemetry": None}
+    bench_update.apply_bandwidth(rec, {"total": 10**9}, 2000.0)
+    assert "apply_GBps" not in rec
+
+
+def test_bench_update_targets_for_every_path():
+    """Ratios against the issue-16 targets, the allocator-rounded memory bound, the apply bandwidth, the atomic
+    step's cost, and a table row per measured path."""
+    ps = bench_update.payload_stats(qwen3_8b_shapes())
+    embed = ps["largest_bytes"]
+    res = {"model": "qwen3-8b", "payload": ps, "bucket_mb": 512, "d2d_copy_GBps": 3000.0, "engines": {
+        "bf16": {"tensor": {"timed_s": [0.3], "mean_s": 0.30}, "disk": {"timed_s": [2.0], "mean_s": 2.0}},
+        "fp8": {"tensor": {"timed_s": [0.32], "mean_s": 0.32, "apply_vs_d2d": 0.6, "apply_GBps": 1800.0,
+                           "server_telemetry": {"validate_s": 0.05, "apply_s": 0.1,
+                                                "server_peak_extra_bytes": embed + (1 << 20)},
+                           "peak_extra_first_bytes": 0},
+                "atomic": {"timed_s": [0.4], "mean_s": 0.40},
+                "validate_only": {"timed_s": [0.07], "mean_s": 0.07},
+                "prequant": {"timed_s": [0.2], "mean_s": 0.20, "apply_vs_d2d": 0.3,
+                             "peak_extra_first_bytes": 2 * 10**9},
+                "disk": {"timed_s": [2.8], "mean_s": 2.8, "server_telemetry": {"validate_s": 1.1, "apply_s": 1.2}}},
+    }}
+    r = bench_update.ratios(res)
+    assert r["tensor"] == pytest.approx(0.32 / 0.30) and r["prequant"] == pytest.approx(0.2 / 0.3)
+    assert r["disk"] == pytest.approx(1.4) and r["atomic_vs_fp8_tensor"] == pytest.approx(1.25)
+    lines = bench_update.targets(res)
+    assert "FP8 tensor <= 1.10x BF16 tensor: 0.32 s / 0.30 s = 1.07x -> PASS" in lines
+    assert "FP8 prequant <= 0.80x BF16 tensor: 0.20 s / 0.30 s = 0.67x -> PASS" in lines
+    assert "FP8 disk <= 1.30x BF16 disk: 2.80 s / 2.00 s = 1.40x -> FAIL" in lines
+    # the embedding's scratch copy, rounded up to the allocator's 2 MiB blocks, is within the bound
+    assert any(t.startswith("FP8 peak extra memory <= largest BF16 tensor (tensor): 1.246 GB vs 1.245 GB -> PASS "
+                            "(server allocator") for t in lines)
+    assert any("(prequant): 2.000 GB vs 1.245 GB -> FAIL (device-wide polling" in t for t in lines)
+    assert any("(atomic): UNKNOWN" in t for t in lines)
+    assert "FP8 apply >= 50% of copy bandwidth (tensor): 60% -> PASS" in lines
+    assert "FP8 apply >= 50% of copy bandwidth (prequant): 30% -> FAIL" in lines
+    assert any(t.startswith("FP8 atomic step (no target): 0.40 s vs 0.32 s by tensor = +0.08 s (1.25x); "
+                            "validate-only phase alone 0.07 s") for t in lines)
+    res["targets"] = lines
+    md = bench_update.render(res)
+    for path in ("tensor", "atomic", "validate_only", "prequant", "disk"):
+        assert f"| fp8 | {path} |" in md
+    assert "| fp8 | disk | n/a | 2.80 | 2.80 | n/a | n/a | n/a | n/a | 1.100 | 1.200 | n/a | n/a |" in md
+
+
+def test_bench_update_command_line():
+    args = bench_update.parse_args(["--model-dir", "m", "--out", "o"])
+    assert (args.model, args.bucket_mb, args.repeats, args.skip_disk, args.engines) == (
+        "qwen3-8b", 512, 2, False, ["bf16", "fp8"])
+    args = bench_update.parse_args(["--model-dir", "m", "--out", "o", "--skip-disk", "--repeats", "3"])
+    assert args.skip_disk and args.repeats == 3
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")

@@ -28,7 +28,8 @@ import requests
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from check_server import fp8rl_info, generate, launch, make_w1, wait_healthy  # noqa: E402
+from server_io import fp8rl_info, generate, launch, stop, wait_healthy  # noqa: E402
+from server_payloads import make_w1  # noqa: E402
 
 KV_FLAGS = ("--kv-cache-dtype", "fp8_e4m3", "--disable-radix-cache")
 CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
@@ -95,8 +96,7 @@ def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int
         r["recalibration_ms"] = 1e3 * s1.get("seconds", float("nan"))
         r["changed_layers"] = s1.get("changed_layers")
     finally:
-        a.terminate()
-        a.wait(60)
+        stop(a)
     with open(os.path.join(out, f"kv_{backend}_a.log"), errors="replace") as f:
         r["a_capture_lines"] = sum("Capture cuda graph end" in line or "Capture decode" in line for line in f)
     b = launch(w1, port + 1, os.path.join(out, f"kv_{backend}_b.log"), *flags, mem=0.35)
@@ -104,8 +104,7 @@ def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int
         r["b_startup_s"] = wait_healthy(port + 1, b)
         out_b, sb = generate(port + 1), kv_scales(port + 1)
     finally:
-        b.terminate()
-        b.wait(60)
+        stop(b)
     r["b_scales_equal_s1"] = sb.get("scales") == r["scales_s1"]
     r["recalibrated_equals_fresh"] = same(a_new, out_b)
     r["stale_differs_from_fresh"] = not same(a_stale, out_b)

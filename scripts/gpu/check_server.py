@@ -1,193 +1,181 @@
 #!/usr/bin/env python3
-"""GPU check of the stock server with `--quantization fp8_online_blockwise` (plugin and weight-update issues).
+"""GPU check of the stock server with `--quantization fp8_online_blockwise`: weight updates over HTTP, good and bad.
 
-One run, on the GPU machine after `source scripts/gpu/env.sh`:
-  1. `python -m sglang.launch_server ... --quantization fp8_online_blockwise` serves a model (dummy weights);
-     greedy generation runs; the kernel-API log shows which block GEMM served the block layers.
-  2. A separate client process pushes W1 (random BF16, every HF tensor) over `/update_weights_from_tensor` as CUDA
-     IPC handles; then `return_logprob` outputs are compared with a server freshly launched from W1 saved on disk;
-     FP8 parameter pointers (a digest from `/get_server_info`) must not change.
-  3. `/update_weights_from_disk` of W1 on a server that served W0, then the same comparison.
-  4. A bad update (NaN) is refused and the outputs stay those of W1.
-usage: python3 scripts/gpu/check_server.py --model-dir DIR --out OUT_DIR
+One command on the GPU machine, after `source scripts/gpu/env.sh`:
+  python3 scripts/gpu/check_server.py --model-dir /tmp/fp8rl_suite/models --out /tmp/fp8rl_suite/server
+  ... --moe                  a small Qwen3-MoE (4 experts, moe_intermediate 256, 2 layers, hidden 1024)
+  ... --tp-size 2            both servers at TP 2 (two GPUs)
+
+Server A (`python -m sglang.launch_server ... --load-format dummy`, W0) takes every update; server B starts cold from
+W1 on disk, once, for the bit-for-bit reference (it starts while A runs the refusal checks). The client is this
+process: CUDA tensors travel as IPC handles. Checks, each a PASS/FAIL record with the engine's message:
+  * W1 pushed by tensor equals the cold W1 start bit for bit (greedy tokens and return_logprob values); FP8
+    parameter pointers unchanged; a disk update of W1 (from W2) equals the cold start too;
+  * refused, each followed by /health_generate 200, an engine still consistent, outputs equal to W1's and pointers
+    unchanged: NaN by tensor; a truncated model.safetensors; a corrupted second shard; embed_tokens of shape [V, 1]
+    by tensor and from disk; a float8_e5m2 tensor; FP8 codes without their scale; a scale of the wrong shape; a
+    misaligned flattened bucket; a bucket with an unknown dtype; load_format "direct"; an atomic step whose last
+    bucket holds an unknown name;
+  * pre-quantized FP8 (codes + power-of-two scales for every FP8 linear) by tensor, by flattened bucket and from disk
+    give bit-identical outputs (each pushed onto W2), with the update time of each;
+  * 9 updates (W1, W2 alternately, W1 last) while a thread keeps generating (8 prompts x 64 tokens): no request
+    error, every push succeeds, the outputs afterwards equal the cold W1 start;
+  * the per-rank scheme summary line is in server A's log, SGLang's "not fully optimized" warning is not.
+Writes OUT/check_server.json (after every check) and OUT/summary.md; prints the PASS/FAIL table last.
+Exit code 0 when every check passed, 1 otherwise, 2 without CUDA. About 4 minutes on an H100 (two server starts).
 """
 from __future__ import annotations
 
 import argparse
-import json
+import datetime
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 
-import requests
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the checkout, for sglang_fp8rl when not installed
 
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400, 500, 600], [42] * 12]
-COMMON = ["--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
-          "--grammar-backend", "none", "--dtype", "bfloat16", "--cuda-graph-max-bs-decode", "8",
-          "--cuda-graph-backend-prefill", "disabled", "--host", "127.0.0.1"]
+# COMMON, launch, wait_healthy, hf_shapes and make_w1 are imported from here by scripts/bench_update.py and
+# scripts/bench_startup.py
+import server_checks  # noqa: E402
+from server_io import COMMON, alive, launch, stop, wait_healthy  # noqa: E402,F401
+from server_payloads import SMALL_MOE_NAME, hf_shapes, make_w1, prepare  # noqa: E402,F401
+from server_report import NOT_OPTIMIZED, check, not_run, read_log, scheme_lines, table, write_report  # noqa: E402
 
-
-def launch(model: str, port: int, log: str, *extra: str, mem: float = 0.3) -> subprocess.Popen:
-    """The stock launcher; the plugin arrives through SGLang's entry-point loader."""
-    env = dict(os.environ, SGLANG_KERNEL_API_LOGLEVEL="1", SGLANG_KERNEL_API_LOGDEST=log + ".kapi_%i.log",
-               SGLANG_JIT_DEEPGEMM_PRECOMPILE="0")
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
-           "--quantization", "fp8_online_blockwise", "--mem-fraction-static", str(mem), *COMMON, *extra]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+DENSE_MODEL = "qwen3-small"
+KAPI_KEYS = ("deep_gemm", "w8a8_block_fp8_matmul", "fp8_scaled_mm", "per_token_group_quant")
 
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 420) -> float:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server on {port} exited with {proc.returncode}")
+def kernel_api_calls(out_dir: str) -> dict[str, int]:
+    """Lines per block-GEMM / quantization kernel in the servers' kernel-API logs."""
+    calls: dict[str, int] = {}
+    for f in sorted(os.listdir(out_dir)):
+        if "kapi" not in f:
+            continue
+        with open(os.path.join(out_dir, f), errors="replace") as log:
+            for line in log:
+                for key in KAPI_KEYS:
+                    if key in line:
+                        calls[key] = calls.get(key, 0) + 1
+    return calls
+
+
+def versions() -> dict[str, str]:
+    """Installed versions of the packages the result depends on."""
+    import importlib.metadata as md
+
+    out = {}
+    for p in ("sglang", "torch", "triton", "sglang-fp8rl"):
         try:
-            if requests.get(f"http://127.0.0.1:{port}/health_generate", timeout=5).status_code == 200:
-                return time.time() - t0
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"server on {port} not healthy after {timeout} s")
-
-
-def generate(port: int) -> list[dict]:
-    """Greedy 16 tokens per prompt with their logprobs."""
-    out = []
-    for ids in PROMPTS:
-        r = requests.post(f"http://127.0.0.1:{port}/generate", json={
-            "input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0},
-            "return_logprob": True}, timeout=120).json()
-        out.append({"ids": r["output_ids"], "logprobs": [x[0] for x in r["meta_info"]["output_token_logprobs"]]})
+            out[p] = md.version(p)
+        except md.PackageNotFoundError:
+            out[p] = "absent"
     return out
 
 
-def fp8rl_info(port: int) -> dict:
-    info = requests.get(f"http://127.0.0.1:{port}/get_server_info", timeout=30).json()
-    return info["internal_states"][0].get("fp8rl", {})
+def model_folder(model_dir: str, moe: bool) -> str:
+    """The dummy-weight model folder to serve (written if missing)."""
+    if moe:
+        from server_payloads import write_small_moe
+
+        return write_small_moe(model_dir)
+    from make_models import ensure
+
+    return ensure(model_dir, [DENSE_MODEL])[0]
 
 
-def hf_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of a dense Qwen3 config."""
-    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    nh, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not config.get("tie_word_embeddings"):
-        shapes["lm_head.weight"] = (v, h)
-    for layer in range(config["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (nh * hd, h), p + "self_attn.k_proj.weight": (nkv * hd, h),
-                       p + "self_attn.v_proj.weight": (nkv * hd, h), p + "self_attn.o_proj.weight": (h, nh * hd),
-                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                       p + "mlp.down_proj.weight": (h, i)})
-    return shapes
+def log_checks(run: server_checks.Run, log_path: str, tp_size: int) -> None:
+    """The per-rank scheme summary lines, and no 'not fully optimized' warning, in server A's log."""
+    text = read_log(log_path)
+    lines = scheme_lines(text)
+    run.report["scheme_lines"] = lines
+    run.add(check("scheme_summary_logged", [(len(lines) == tp_size, f"one summary line per TP rank ({len(lines)})")],
+                  "; ".join(f"{k}: {v}" for k, v in sorted(lines.items()))))
+    warned = [ln.strip()[:300] for ln in text.splitlines() if NOT_OPTIMIZED in ln]
+    run.add(check("no_not_optimized_warning", [(not warned, "SGLang's 'not fully optimized' warning absent")],
+                  "; ".join(warned[:2])))
 
 
-def make_w1(config: dict, device: str):
-    """Deterministic random BF16 weights (norms ~1, linears ~N(0, 0.02), embeddings ~N(0, 1))."""
+def new_report(args: argparse.Namespace, model: str, argv: list[str]) -> dict:
+    """The report's header: command, date, device, TP, model, versions."""
     import torch
 
-    g = torch.Generator(device=device).manual_seed(1234)
-    sd = {}
-    for name, shape in hf_shapes(config).items():
-        if len(shape) == 1:
-            t = 1 + 0.05 * torch.randn(shape, generator=g, device=device)
-        else:
-            t = torch.randn(shape, generator=g, device=device) * (1.0 if "embed" in name else 0.02)
-        sd[name] = t.to(torch.bfloat16)
-    return sd
+    return {"command": " ".join(["python3 scripts/gpu/check_server.py", *argv]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}", "tp_size": args.tp_size,
+            "model": model, "model_name": os.path.basename(model), "versions": versions()}
 
 
-def push_by_tensor(port: int, sd: dict, bucket_bytes: int = 512 << 20) -> list:
-    """CUDA IPC push from this (client) process through the package's client."""
-    from sglang_fp8rl.weight_sync.client import push_state_dict
-
-    return push_state_dict(f"http://127.0.0.1:{port}", sd, bucket_bytes=bucket_bytes)
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model-dir", required=True, help="folder with qwen3-small (config.json, dummy weights)")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    import torch
-    from safetensors.torch import save_file
-
+def run_checks(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start server A, prepare the payloads while it starts, run every check; always stop the servers."""
     os.makedirs(args.out, exist_ok=True)
-    small = os.path.join(args.model_dir, "qwen3-small")
-    config = json.load(open(os.path.join(small, "config.json")))
-    report: dict = {"model": small}
+    model = model_folder(args.model_dir, args.moe)
+    report = new_report(args, model, argv)
+    run = server_checks.Run(args, report, lambda rep, checks: write_report(args.out, rep, checks))
+    t0 = time.time()
+    tp = ["--tp-size", str(args.tp_size)] if args.tp_size > 1 else []
+    tmp = os.path.join(args.out, "tmp")
+    a = launch(model, args.port, os.path.join(args.out, "server_a.log"), "--load-format", "dummy", *tp)
+    cold: list[Optional[subprocess.Popen]] = [None]
 
-    a = launch(small, 30010, os.path.join(args.out, "server_a.log"), "--load-format", "dummy")
+    def launch_cold() -> subprocess.Popen:
+        cold[0] = launch(payloads.folders["w1"], args.port + 1, os.path.join(args.out, "server_b.log"), *tp)
+        return cold[0]
+
     try:
-        report["a_startup_s"] = wait_healthy(30010, a)
-        report["a_w0_tokens"] = [g["ids"] for g in generate(30010)]
-        info0 = fp8rl_info(30010)
-        report["a_schemes"] = info0.get("schemes")
-        sd = make_w1(config, "cuda")
-        t0 = time.time()
-        report["a_push_answers"] = push_by_tensor(30010, sd)
-        report["a_push_s"] = time.time() - t0
-        info1 = fp8rl_info(30010)
-        report["a_ptr_digest_unchanged"] = info0.get("fp8_param_ptr_digest") == info1.get("fp8_param_ptr_digest")
-        report["a_last_update"] = info1.get("last_update")
-        out_a = generate(30010)
-
-        w1_dir = os.path.join(args.out, "w1")
-        os.makedirs(w1_dir, exist_ok=True)
-        for f in os.listdir(small):
-            if f.endswith(".json") or f.startswith("tokenizer"):
-                subprocess.run(["cp", os.path.join(small, f), w1_dir], check=True)
-        save_file({k: v.cpu().contiguous() for k, v in sd.items()}, os.path.join(w1_dir, "model.safetensors"))
-        del sd
-        torch.cuda.empty_cache()
-
-        b = launch(w1_dir, 30011, os.path.join(args.out, "server_b.log"))
-        try:
-            report["b_startup_s"] = wait_healthy(30011, b)
-            out_b = generate(30011)
-        finally:
-            b.terminate()
-            b.wait(60)
-        report["tensor_push_tokens_equal_cold_w1"] = [x["ids"] for x in out_a] == [x["ids"] for x in out_b]
-        report["tensor_push_logprobs_equal_cold_w1"] = [x["logprobs"] for x in out_a] == [x["logprobs"] for x in out_b]
-        report["tensor_push_max_logprob_diff"] = max(abs(p - q) for x, y in zip(out_a, out_b)
-                                                     for p, q in zip(x["logprobs"], y["logprobs"]))
-
-        # disk path: back to dummy values would need a reload; load W1 from disk onto server A (already W1 by
-        # tensor) after a W0-like perturbation: push W1 with one tensor changed, then restore from disk
-        r = requests.post("http://127.0.0.1:30010/update_weights_from_disk",
-                          json={"model_path": w1_dir, "load_format": "auto"}, timeout=600).json()
-        report["disk_update_answer"] = r
-        out_disk = generate(30010)
-        report["disk_update_logprobs_equal_cold_w1"] = [x["logprobs"] for x in out_disk] == [x["logprobs"] for x in out_b]
-        report["disk_ptr_digest_unchanged"] = fp8rl_info(30010).get("fp8_param_ptr_digest") == info0.get("fp8_param_ptr_digest")
-
-        bad = {"model.layers.0.mlp.down_proj.weight": torch.full(hf_shapes(config)["model.layers.0.mlp.down_proj.weight"],
-                                                                 float("nan"), dtype=torch.bfloat16, device="cuda")}
-        try:
-            push_by_tensor(30010, bad)
-            report["nan_push"] = "ACCEPTED (bug)"
-        except RuntimeError as e:
-            report["nan_push"] = f"rejected: {e}"[:300]
-        report["after_bad_push_logprobs_equal_cold_w1"] = [x["logprobs"] for x in generate(30010)] == \
-            [x["logprobs"] for x in out_b]
+        payloads = prepare(model, tmp)  # while server A starts
+        report["payload_prep_s"] = round(time.time() - t0, 1)
+        server_checks.run_all(run, a, payloads, launch_cold, args.startup_timeout_s)
+    except (OSError, ValueError, RuntimeError, KeyError, TimeoutError) as e:  # the checks not run count as FAIL
+        run.add(not_run("run", f"{type(e).__name__}: {e}"))
     finally:
-        a.terminate()
-        a.wait(60)
-    kapi = [f for f in os.listdir(args.out) if "kapi" in f]
-    calls: dict[str, int] = {}
-    for f in kapi:
-        for line in open(os.path.join(args.out, f), errors="replace"):
-            for key in ("deep_gemm", "w8a8_block_fp8_matmul", "fp8_scaled_mm", "per_token_group_quant"):
-                if key in line:
-                    calls[key] = calls.get(key, 0) + 1
-    report["kernel_api_calls"] = calls
-    json.dump(report, open(os.path.join(args.out, "check_server.json"), "w"), indent=1, default=str)
-    print(json.dumps(report, indent=1, default=str))
-    return 0
+        stop(cold[0])
+        log_checks(run, os.path.join(args.out, "server_a.log"), args.tp_size)
+        stop(a)
+        report["kernel_api_calls"] = kernel_api_calls(args.out)
+        report["elapsed_s"] = round(time.time() - t0, 1)
+        if not args.keep_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        write_report(args.out, report, run.checks)
+        print("\n" + table(run.checks), flush=True)
+    return 0 if all(c.ok for c in run.checks) else 1
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--model-dir", required=True, help="folder of dummy-weight models (scripts/gpu/make_models.py; "
+                                                      "the model folder is written there if missing)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--moe", action="store_true", help=f"serve {SMALL_MOE_NAME} instead of {DENSE_MODEL}")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor parallelism of both servers (default 1)")
+    p.add_argument("--port", type=int, default=30010, help="server A's port; the cold-start server uses PORT+1")
+    p.add_argument("--startup-timeout-s", type=float, default=420.0, help="limit per server start (default 420)")
+    p.add_argument("--keep-tmp", action="store_true", help="keep OUT/tmp (the checkpoint folders)")
+    args = p.parse_args(argv)
+    if args.tp_size < 1:
+        p.error("--tp-size must be >= 1")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Parse, check for CUDA (and enough GPUs), run."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < args.tp_size:
+        print(f"check_server.py needs {args.tp_size} CUDA GPU(s) (it launches SGLang servers and pushes CUDA IPC "
+              f"handles); found {torch.cuda.device_count() if torch.cuda.is_available() else 0}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a suite timeout still stops the servers (finally)
+    return run_checks(args, argv)
 
 
 if __name__ == "__main__":

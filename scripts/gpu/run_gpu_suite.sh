@@ -8,18 +8,29 @@
 #             then scripts/accuracy_regression.py --task addition (BF16 vs fp8_online_blockwise)  (~4-6 min cold)
 #   rollout   scripts/bench_rollout.py: bf16, fp8_online_blockwise, block_prequant, fp8_channel on Qwen3-8B shapes,
 #             bs 64 128, in 512, out 1024                                               (~5-6 min cold)
+#   kv        scripts/bench_rollout.py, FP8 KV cache on triton: bf16, fp8_online_blockwise_kv (scales calibrated),
+#             fp8_online_blockwise_kv_static; bs 64 128, in 512, out 256 and 1024: decode ratios vs BF16, issue 15's
+#             targets, the load-time KV-scale recalibration vs a 1k-token rollout at bs 128; KV_ARGS (~5-6 min)
+#   kv_fi     the same with --attention-backend flashinfer (SGLANG_FLASHINFER_USE_PAGED=1 for FP8 KV), merging the
+#             kv stage's results so that BF16's fastest backend is the denominator; KV_FI_ARGS  (~6-9 min: own call)
+#   kvcheck   scripts/gpu/check_kv.py: recalibrated FP8 KV scales == a fresh server's, graphs included (triton, flashinfer)
+#   kv_acc    scripts/accuracy_regression.py on the toy policy (trained first if missing) and its drifted copy
+#             (K/V range x powers of two): BF16 vs fp8 / fp8_kv_static / fp8_kv_calibrate; resumable: rc 3 = call the
+#             stage again (records in ${WORK}_kv_acc_records); KV_ACC_ARGS        (8 engines: ~2 calls warm)
 #   profile   scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode --batch-sizes 64 128
 #             --output-len 256 (top decode kernels by CUDA time)                        (~1.5-2 min)
 #   moe       scripts/bench_rollout.py --moe (Qwen3-30B-A3B shapes, bs 32 64, out 512, mem 0.88) (~6-9 min: own call)
-#   server    scripts/gpu/check_server.py on qwen3-small (launch_server + weight updates over HTTP)
+#   server    scripts/gpu/check_server.py on qwen3-small: launch_server + weight updates over HTTP (bit-for-bit vs a
+#             cold start, 12 refused bad updates, pre-quantized FP8 by tensor / bucket / disk, 9 updates during
+#             generation); SERVER_ARGS e.g. "--moe" or "--tp-size 2"                              (~4-5 min)
 #   quant     scripts/bench_quant.py --json $WORK/bench_quant.json (quantization kernel micro-benchmark)
 #   gemm      scripts/bench_gemm.py: per-shape block-FP8 GEMM candidates vs BF16 (Qwen3-8B shapes); GEMM_ARGS
 #   startup   scripts/bench_startup.py: cold/warm launch_server start, BF16 vs fp8_online_blockwise (Qwen3-8B)
 #   demo      python -m sglang_fp8rl.demo --keep $WORK/demo: start-up progress, scheme summary, one update, tokens
 #             before/after, and the server's start-up time by phase (DEMO_ARGS, e.g. "--server-args --fp8rl-jit-workers 0")
 #   update    $UPDATE_SCRIPT (default scripts/bench_update.py): full-model update of Qwen3-8B shapes, BF16 vs
-#             fp8_online_blockwise server, by tensor (CUDA IPC) and from disk; UPDATE_ARGS e.g. "--model qwen3-small"
-#             or "--skip-disk"                                                    (~7-9 min: own call)
+#             fp8_online_blockwise server: by tensor, atomic step, its validate-only phase, pre-quantized FP8, from
+#             disk; UPDATE_ARGS e.g. "--model qwen3-small" or "--skip-disk --repeats 3"  (~7-9 min: own call)
 #   rl        scripts/rl_regression.py: GRPO on the toy policy, BF16 vs FP8 vs FP8+TIS rollouts from the stock
 #             server, weights pushed every step; RL_ARGS e.g. "--arms bf16 fp8 fp8_tis fp8kv_tis"  (~6-9 min: own call)
 # Expected times are estimates from shared/gpu/README.md's measurements (server import 24-34 s, bench_one_batch
@@ -41,8 +52,8 @@
 # moe_results.json, profile_top_kernels.txt; the first 6 that exist, the rest only inside the tgz).
 # stdout ends with the summary (stage table + each stage's own table).
 # Env: OUT, WORK, DEADLINE (s from start; 570), T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
-#      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, UPDATE_ARGS, GEMM_ARGS, STARTUP_ARGS, DEMO_ARGS, RL_ARGS (extra args per
-#      script), UPDATE_SCRIPT.
+#      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, KV_ARGS, KV_FI_ARGS, KV_ACC_ARGS, SERVER_ARGS, UPDATE_ARGS, GEMM_ARGS,
+#      STARTUP_ARGS, DEMO_ARGS, RL_ARGS (extra args per script), UPDATE_SCRIPT.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 T0=$(date +%s)
@@ -93,20 +104,25 @@ run_stage() {
 } > "$LOGS/env.txt"
 say "$(sed -n 2p "$LOGS/env.txt") | stages: $*"
 
+# ensure_toy: train the toy policy into $WORK/toy unless a warm machine already holds it (accuracy, kv_acc)
+ensure_toy() {
+  if [ ! -f "$WORK/toy/model.safetensors" ]; then
+    run_stage train_toy 120 $(( ${TOY_SECONDS:-150} + 90 )) \
+      $PY scripts/train_toy_policy.py --out "$WORK/toy" --max-seconds "${TOY_SECONDS:-150}"
+    tail -3 "$LOGS/train_toy.log"
+  else
+    say "toy policy already at $WORK/toy (warm machine), not retrained"
+  fi
+  [ -f "$WORK/toy/model.safetensors" ]
+}
+
 for st in "$@"; do
   case $st in
     tests)
       run_stage tests 60 "${T_TESTS:-480}" $PY -m pytest tests/gpu -q -m gpu -p no:cacheprovider -rfEs
       rc=$?; [ $rc = 5 ] && say "tests: pytest collected no GPU test (rc 5)" ;;
     accuracy)
-      if [ ! -f "$WORK/toy/model.safetensors" ]; then
-        run_stage train_toy 120 $(( ${TOY_SECONDS:-150} + 90 )) \
-          $PY scripts/train_toy_policy.py --out "$WORK/toy" --max-seconds "${TOY_SECONDS:-150}"
-        tail -3 "$LOGS/train_toy.log"
-      else
-        say "toy policy already at $WORK/toy (warm machine), not retrained"
-      fi
-      if [ -f "$WORK/toy/model.safetensors" ]; then
+      if ensure_toy; then
         run_stage accuracy 120 420 $PY scripts/accuracy_regression.py --model "$WORK/toy" --task addition \
           --out "$WORK/accuracy" ${ACC_ARGS:-}
         [ $? = 0 ] || for f in "$WORK"/accuracy/engine_*.log; do
@@ -117,6 +133,26 @@ for st in "$@"; do
     rollout)
       l=$(left); run_stage rollout 150 560 $PY scripts/bench_rollout.py --out "$WORK/rollout" --model-dir "$MODELS" \
         --deadline-s $(( l - 25 )) ${ROLLOUT_ARGS:-} ;;
+    kv)  # FP8 KV cache, triton: BF16 / FP8 weights + FP8 KV calibrated / static, outputs 256 and 1024
+      l=$(left); run_stage kv 150 560 $PY scripts/bench_rollout.py --out "$WORK/kv" --model-dir "$MODELS" \
+        --configs bf16 fp8_online_blockwise_kv fp8_online_blockwise_kv_static --output-len 256 1024 \
+        --deadline-s $(( l - 25 )) ${KV_ARGS:-} ;;
+    kv_fi)  # the same on FlashInfer; merges the kv stage's results (BF16 on its fastest backend)
+      merge=(); [ -f "$WORK/kv/results.json" ] && merge=(--merge "$WORK/kv/results.json")
+      l=$(left); run_stage kv_fi 150 560 $PY scripts/bench_rollout.py --out "$WORK/kv_fi" --model-dir "$MODELS" \
+        --attention-backend flashinfer --configs bf16 fp8_online_blockwise_kv fp8_online_blockwise_kv_static \
+        --output-len 256 1024 ${merge[@]+"${merge[@]}"} --deadline-s $(( l - 25 )) ${KV_FI_ARGS:-} ;;
+    kv_acc)  # FP8-KV accuracy arms on the toy policy and its drifted copy; resumable: call again until rc 0
+      if ensure_toy; then
+        l=$(left); run_stage kv_acc 150 570 $PY scripts/accuracy_regression.py --model "$WORK/toy" --task addition \
+          --out "$WORK/kv_acc" --arms fp8 fp8_kv_static fp8_kv_calibrate --policies original drifted --reuse \
+          --records-dir "${WORK}_kv_acc_records" --deadline-s $(( l - 30 )) ${KV_ACC_ARGS:-}
+        rc=$?; [ $rc = 3 ] && say "kv_acc: not every engine ran in this call; run the kv_acc stage again (records kept)"
+        [ $rc = 0 ] || [ $rc = 3 ] || for f in "$WORK"/kv_acc/engine_*.log; do
+          [ -f "$f" ] && { say "tail of $f:"; grep -v "^\s*$" "$f" | tail -15 | cut -c1-300; }; done
+      else
+        record kv_acc skipped 0 "no toy checkpoint"
+      fi ;;
     profile)
       l=$(left); run_stage profile 120 400 $PY scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode \
         --batch-sizes 64 128 --output-len 256 --out "$WORK/profile" --model-dir "$MODELS" --deadline-s $(( l - 25 )) \
@@ -124,9 +160,11 @@ for st in "$@"; do
     moe)
       l=$(left); run_stage moe 200 560 $PY scripts/bench_rollout.py --moe --out "$WORK/moe" --model-dir "$MODELS" \
         --budget-s 240 --deadline-s $(( l - 25 )) ${MOE_ARGS:-} ;;
-    server)
-      $PY scripts/gpu/make_models.py "$MODELS" qwen3-small >/dev/null
-      run_stage server 120 420 $PY scripts/gpu/check_server.py --model-dir "$MODELS" --out "$WORK/server" ;;
+    kvcheck)  # FP8 KV scales: recalibrated in place == a fresh server with the same weights, per backend
+      run_stage kvcheck 200 560 $PY scripts/gpu/check_kv.py --out "$WORK/kvcheck" ${KVCHECK_ARGS:-} ;;
+    server)  # the script writes its model folder (qwen3-small, or qwen3-moe-small with --moe) into $MODELS
+      run_stage server 150 560 $PY scripts/gpu/check_server.py --model-dir "$MODELS" --out "$WORK/server" \
+        ${SERVER_ARGS:-} ;;
     quant)
       run_stage quant 60 240 $PY scripts/bench_quant.py --json "$WORK/bench_quant.json" ;;
     gemm)
@@ -164,9 +202,12 @@ SUM=$WORK/suite_summary_$STAMP.md
       tests) [ -f "$LOGS/tests.log" ] && { echo; echo "## tests (tail)"; grep -v "^\s*$" "$LOGS/tests.log" | tail -15 | cut -c1-250; } ;;
       accuracy) [ -f "$WORK/toy/train_report.json" ] && { echo; $PY -c "import json; r=json.load(open('$WORK/toy/train_report.json')); print(f\"toy policy: {r['steps']} steps, {r['train_seconds']} s, held-out EM (HF greedy, bf16) {r['heldout_exact_match_bf16_hf_greedy']:.4f}\")"; }
                 [ -f "$WORK/accuracy/summary.md" ] && { echo; cat "$WORK/accuracy/summary.md"; } ;;
-      rollout|profile|moe) [ -f "$WORK/$st/summary.md" ] && { echo; echo "## $st"; cat "$WORK/$st/summary.md"; }
+      kv_acc) [ -f "$WORK/kv_acc/summary.md" ] && { echo; cat "$WORK/kv_acc/summary.md"; } ;;
+      kvcheck) [ -f "$LOGS/kvcheck.log" ] && { echo; echo "## kvcheck"; grep -E "^\|" "$LOGS/kvcheck.log"; } ;;
+      rollout|profile|moe|kv|kv_fi) [ -f "$WORK/$st/summary.md" ] && { echo; echo "## $st"; cat "$WORK/$st/summary.md"; }
                 [ "$st" = profile ] && [ -f "$WORK/profile/profile_top_kernels.txt" ] && head -30 "$WORK/profile/profile_top_kernels.txt" ;;
-      server) [ -f "$WORK/server/check_server.json" ] && { echo; echo "## server"; cat "$WORK/server/check_server.json"; } ;;
+      server) if [ -f "$WORK/server/summary.md" ]; then echo; cat "$WORK/server/summary.md"
+              elif [ -f "$WORK/server/check_server.json" ]; then echo; echo "## server"; cat "$WORK/server/check_server.json"; fi ;;
       quant) [ -f "$LOGS/quant.log" ] && { echo; echo "## quant"; tail -40 "$LOGS/quant.log"; } ;;
       update) [ -f "$WORK/update/summary.md" ] && { echo; echo "## update"; cat "$WORK/update/summary.md"; } ;;
       startup) [ -f "$WORK/startup/summary.md" ] && { echo; cat "$WORK/startup/summary.md"; } ;;
@@ -183,12 +224,14 @@ NCOPY=0
 for pair in rollout/results.json:rollout_results.json accuracy/accuracy.json:accuracy.json accuracy/accuracy.png:accuracy.png \
             server/check_server.json:check_server.json bench_quant.json:bench_quant.json moe/results.json:moe_results.json profile/profile_top_kernels.txt:profile_top_kernels.txt \
             update/update_results.json:update_results.json startup/startup_results.json:startup_results.json \
-            bench_gemm.json:bench_gemm.json rl/rl_results.json:rl_results.json rl/rl_curves.png:rl_curves.png; do
+            bench_gemm.json:bench_gemm.json rl/rl_results.json:rl_results.json rl/rl_curves.png:rl_curves.png \
+            kv/results.json:kv_results.json kv_fi/results.json:kv_fi_results.json kv_acc/accuracy.json:kv_acc.json \
+            kvcheck/check_kv.json:check_kv.json; do
   src=$WORK/${pair%%:*}
   if [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && [ "$NCOPY" -lt 6 ]; then  # $OUT returns at most 8 files
     cp "$src" "$OUT/${pair##*:}" && NCOPY=$(( NCOPY + 1 ))
   fi
 done
-tar czf "$OUT/suite_logs_$STAMP.tgz" -C "$WORK" --exclude='models' --exclude='*.safetensors' . 2>/dev/null
+tar czf "$OUT/suite_logs_$STAMP.tgz" -C "$WORK" --exclude='models' --exclude='*.safetensors' --exclude='*.kapi_*' . 2>/dev/null
 say "results -> $OUT: $(ls "$OUT" | tr '\n' ' ')"
 echo; cat "$SUM"

@@ -1,0 +1,168 @@
+"""Servers and HTTP for scripts/gpu/check_server.py (and the other GPU scripts): the stock launcher, health, greedy
+outputs with logprobs, the plugin's telemetry, raw update requests, and a thread that keeps generating.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+import requests
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400, 500, 600], [42] * 12]
+NEW_TOKENS = 16
+TRAFFIC_PROMPTS = [[7 * i + j for j in range(1, 10 + i)] for i in range(8)]  # 8 distinct prompts, one batch
+TRAFFIC_TOKENS = 64
+COMMON = ["--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+          "--grammar-backend", "none", "--dtype", "bfloat16", "--cuda-graph-max-bs-decode", "8",
+          "--cuda-graph-backend-prefill", "disabled", "--host", "127.0.0.1"]
+
+
+def url(port: int) -> str:
+    """The local server's base URL."""
+    return f"http://127.0.0.1:{port}"
+
+
+def launch(model: str, port: int, log: str, *extra: str, mem: float = 0.3) -> subprocess.Popen:
+    """The stock launcher, in its own process group; the plugin arrives through SGLang's entry-point loader."""
+    env = dict(os.environ, SGLANG_KERNEL_API_LOGLEVEL="1", SGLANG_KERNEL_API_LOGDEST=log + ".kapi_%i.log",
+               SGLANG_JIT_DEEPGEMM_PRECOMPILE="0")
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
+           "--quantization", "fp8_online_blockwise", "--mem-fraction-static", str(mem), *COMMON, *extra]
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 420) -> float:
+    """Seconds until /health_generate answers 200; raises if the server exits or times out."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server on {port} exited with {proc.returncode}")
+        try:
+            if requests.get(url(port) + "/health_generate", timeout=5).status_code == 200:
+                return time.time() - t0
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"server on {port} not healthy after {timeout} s")
+
+
+def stop(proc: Optional[subprocess.Popen]) -> None:
+    """Terminate a server's process group (TP ranks included); SIGKILL what is left after 60 s."""
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # ranks that outlived the launcher
+    except ProcessLookupError:
+        pass
+    proc.wait(30)
+
+
+def generate(port: int, prompts: list[list[int]] = PROMPTS) -> list[dict]:
+    """Greedy NEW_TOKENS tokens per prompt, one request each, with their logprobs."""
+    out = []
+    for ids in prompts:
+        r = requests.post(url(port) + "/generate", json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0},
+            "return_logprob": True}, timeout=120).json()
+        out.append({"ids": r["output_ids"], "logprobs": [x[0] for x in r["meta_info"]["output_token_logprobs"]]})
+    return out
+
+
+def fp8rl_info(port: int) -> dict:
+    """/get_server_info → internal_states[0]["fp8rl"]."""
+    info = requests.get(url(port) + "/get_server_info", timeout=30).json()
+    return (info.get("internal_states") or [{}])[0].get("fp8rl") or {}
+
+
+def alive(port: int) -> bool:
+    """/health_generate answers 200."""
+    try:
+        return requests.get(url(port) + "/health_generate", timeout=30).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def answer_of(status: int, text: str, parsed: Any) -> dict:
+    """An update route's answer {"success", "message", ...} with its HTTP status; ValueError for anything else."""
+    if not isinstance(parsed, dict) or "success" not in parsed:
+        raise ValueError(f"HTTP {status}: {text[:300]}")
+    return dict(parsed, http_status=status)
+
+
+def post(port: int, route: str, body: dict, timeout: float = 600) -> dict:
+    """POST an update as built (no client-side checks): the engine's answer (HTTP 400 on refusal)."""
+    r = requests.post(url(port) + route, json=body, timeout=timeout)
+    try:
+        parsed = r.json()
+    except ValueError:
+        parsed = None
+    return answer_of(r.status_code, r.text, parsed)
+
+
+def push_by_tensor(port: int, sd: Any, bucket_bytes: int = 512 << 20, atomic: bool = True) -> list:
+    """CUDA IPC push through the package's client; raises WeightPushError on a refusal."""
+    from sglang_fp8rl.weight_sync.client import push_state_dict
+
+    return push_state_dict(url(port), sd, bucket_bytes=bucket_bytes, atomic=atomic)
+
+
+def sequence_errors(result: Any, new_tokens: int) -> list[str]:
+    """What is wrong with a batch /generate answer: not a list, an aborted sequence, a short one."""
+    if not isinstance(result, list):
+        return [f"not a batch answer: {str(result)[:200]}"]
+    errors = []
+    for i, seq in enumerate(result):
+        finish = (seq.get("meta_info") or {}).get("finish_reason") or {}
+        if finish.get("type") != "length" or len(seq.get("output_ids") or []) != new_tokens:
+            errors.append(f"sequence {i}: finish {finish}, {len(seq.get('output_ids') or [])} tokens")
+    return errors
+
+
+class Traffic:
+    """A thread that keeps sending one batch request (TRAFFIC_PROMPTS, TRAFFIC_TOKENS tokens each, ignore_eos)."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.done: list[float] = []  # completion times of good requests
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        body = {"input_ids": TRAFFIC_PROMPTS, "sampling_params": {
+            "max_new_tokens": TRAFFIC_TOKENS, "temperature": 0, "ignore_eos": True}}
+        while not self._stop.is_set():
+            try:
+                r = requests.post(url(self.port) + "/generate", json=body, timeout=300)
+                errors = [f"HTTP {r.status_code}: {r.text[:200]}"] if r.status_code != 200 else \
+                    sequence_errors(r.json(), TRAFFIC_TOKENS)
+            except (requests.RequestException, ValueError) as e:
+                errors = [f"{type(e).__name__}: {e}"]
+            if errors:
+                self.errors.extend(errors)
+            else:
+                self.done.append(time.time())
+
+    def __enter__(self) -> "Traffic":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(330)
+
+    def completed_between(self, t0: float, t1: float) -> int:
+        """Good requests that finished inside [t0, t1]."""
+        return sum(t0 <= t <= t1 for t in self.done)
