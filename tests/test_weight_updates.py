@@ -217,3 +217,26 @@ def test_generation_refused_while_inconsistent(monkeypatch):
     queued = len(sched.waiting_queue)
     handle(sched, Recv("HEALTH_CHECK_abc"))
     assert len(sched.waiting_queue) == queued
+
+
+def test_bf16_engine_answers_the_clients_step_protocol(models, tmp_path):
+    """A model served without our quantization (the BF16 baseline of an RL run): validate-only requests are checked
+    and write nothing, pre-quantized FP8 is refused, and the step marker is dropped before SGLang's own update."""
+    from sgl_model import run_update_requests
+
+    w1 = list(models["w1"].items())
+    bad = w1[:-1] + [(w1[-1][0], torch.full_like(w1[-1][1], float("nan")))]
+    fp8 = [(w1[-1][0], w1[-1][1].float().clamp(-1, 1).to(torch.float8_e4m3fn))]
+    marker = ("fp8rl.step_complete", torch.zeros(()))
+    requests = [{"tensors": w1, "load_format": "fp8rl.validate"}, {"tensors": bad, "load_format": "fp8rl.validate"},
+                {"tensors": fp8, "load_format": "fp8rl.validate"}, {"tensors": w1 + [marker]}]
+    out = run_update_requests(str(models["dir"] / "w0"), tmp_path, "bf16_steps", requests)
+    (ok1, m1), (ok2, m2), (ok3, m3), (ok4, m4) = out["answers"]
+    assert ok1 and "validated, nothing written" in m1
+    assert not ok2 and "NaN/Inf" in m2 and not ok3 and "fp8_online_blockwise" in m3
+    assert ok4, m4
+    first = out["params_after"][0]  # after the first validate-only request, which writes nothing
+    for later in out["params_after"][1:3]:
+        assert_same_params(later, first)
+    norm = "model.layers.0.input_layernorm.weight"
+    assert torch.equal(out["final_params"][norm], models["w1"][norm]) and not torch.equal(first[norm], models["w1"][norm])

@@ -28,7 +28,7 @@ from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, Flattene
 from sglang_fp8rl.kv_scales.engine import mark_due
 from sglang_fp8rl.weight_sync import guard
 from sglang_fp8rl.weight_sync.kv_updates import prepare_kv_scales, split_kv_scales, write_kv_scales
-from sglang_fp8rl.weight_sync.fp8_payload import STEP_COMPLETE, attach_scales, pair_stream, split_control
+from sglang_fp8rl.weight_sync.fp8_payload import CONTROL_PREFIX, STEP_COMPLETE, attach_scales, pair_stream, split_control
 from sglang_fp8rl.weight_sync.update import apply_validated, is_attached, original_load_weights, validated_stream
 from sglang_fp8rl.weight_sync.validate import (
     WIRE_DTYPES,
@@ -179,16 +179,36 @@ def tensors_of_request(updater: Any, named_tensors: Any, load_format: Optional[s
     return named
 
 
+def stock_request(named_tensors: Any, load_format: Optional[str]) -> Any:
+    """A request for a model this package does not serve: our control entries dropped (the trainer client sends the
+    same steps to BF16 engines), the rest untouched."""
+    if load_format is not None or not isinstance(named_tensors, (list, tuple)):
+        return named_tensors
+    return [item for item in named_tensors if not (isinstance(item, (list, tuple)) and len(item) == 2 and
+                                                   isinstance(item[0], str) and item[0].startswith(CONTROL_PREFIX))]
+
+
+def refuse_fp8_for_stock(named: NamedTensors) -> None:
+    """A model this package does not serve takes SGLang's own updates: no pre-quantized FP8 for it."""
+    for name, tensor in named:
+        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float8_e4m3fn:
+            raise UpdateRejected(f"{name}: pre-quantized FP8 updates need a model served with "
+                                 "--quantization fp8_online_blockwise")
+
+
 def wrap_update_from_tensor(original: Callable) -> Callable:
-    """WeightUpdater.update_weights_from_tensor, guarded."""
+    """WeightUpdater.update_weights_from_tensor, guarded (validate-only requests are answered for any model, so
+    the client's all-or-nothing steps work against BF16 engines too)."""
     def update_weights_from_tensor(self, named_tensors, load_format=None):
         model = self.get_model()
-        if not is_attached(model):
-            return original(self, named_tensors, load_format)
+        if not is_attached(model) and load_format != VALIDATE_ONLY:
+            return original(self, stock_request(named_tensors, load_format), load_format)
 
         def prepare() -> guard.Prepared:
             check_sglang_preconditions(self, "update_weights_from_tensor")
             named = tensors_of_request(self, named_tensors, load_format)
+            if not is_attached(model):
+                refuse_fp8_for_stock(named)
             return prepared_request(model, named, validate_only=load_format == VALIDATE_ONLY)
 
         return guard.run(model, f"tensor/{load_format or 'list'}", prepare, writer(model))
