@@ -242,3 +242,42 @@ def test_calibrated_kv_write_saturates_instead_of_overflowing(monkeypatch):
     k2 = torch.tensor([[[1.0, -2.0, 500.0, -900.0]]], dtype=torch.bfloat16)
     write(pool, layer, torch.tensor([4]), k2, v.clone(), torch.tensor(2.0), torch.tensor(0.5))
     assert k2.float().tolist() == [[[0.5, -1.0, 250.0, -450.0]]]  # static: SGLang's own write, untouched
+
+
+def test_kv_calibration_only_on_verified_backends(monkeypatch):
+    """Triton passed the GPU check (recalibrated == fresh server, bit for bit), FlashInfer did not: there, auto falls
+    back to static scales and an explicit --fp8rl-kv-scales calibrate is refused at start."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from sglang_fp8rl.hooks import kv_cache
+    from sglang_fp8rl.kv_scales import engine
+
+    class TritonAttnBackend:
+        def forward_decode(self, *args, **kwargs):
+            return None
+
+    class FlashInferAttnBackend:
+        def forward_decode(self, *args, **kwargs):
+            return None
+
+    def runner(backend):
+        model = torch.nn.Module()
+        model.attn = RadixAttention(num_heads=1, head_dim=4, scaling=1.0, num_kv_heads=1, layer_id=0)
+        return SimpleNamespace(attn_backend=backend, model=model, device="cpu")
+
+    for explicit in (False, True):
+        monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=explicit))
+        flashinfer = runner(FlashInferAttnBackend())
+        if explicit:
+            with pytest.raises(ValueError, match="not verified"):
+                kv_cache.use_backend(flashinfer)
+        else:
+            kv_cache.use_backend(flashinfer)
+            assert engine.kv_state().mode == "static" and flashinfer.model.attn.k_scale is None
+    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=True))
+    triton = runner(TritonAttnBackend())
+    kv_cache.use_backend(triton)
+    assert isinstance(triton.model.attn.k_scale, torch.Tensor)
+    assert getattr(triton.attn_backend.forward_decode, "_fp8rl_kv_fold", False)  # the decode reads the tensors

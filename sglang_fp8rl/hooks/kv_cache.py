@@ -1,10 +1,11 @@
 """FP8 KV-cache scales on the engine (``--fp8rl-kv-scales calibrate``): set up after load, made CUDA-graph safe before
 capture, calibrated after capture, and recalibrated after every complete weight update while the engine is idle.
 
-* ``ModelRunner.load_model`` (via :mod:`.model_runner`): resolve the mode, give every attention layer scale tensors,
-  choose the calibration batch.
-* ``ModelRunner.init_attention_backends``: backends that pass Python-float scales to their decode kernels (Triton,
-  FlashInfer) get the decode fold (kv_scales/decode_fold.py) before any graph is captured.
+* ``ModelRunner.load_model`` (via :mod:`.model_runner`): resolve the mode, choose the calibration batch.
+* ``ModelRunner.init_attention_backends``: on a backend where recalibration was verified (Triton; torch-native on
+  CPU), scale tensors on every attention layer, and the decode fold (kv_scales/decode_fold.py) where the backend
+  passes Python-float scales to its decode kernels, before any graph is captured. Elsewhere ``auto`` falls back to
+  static scales and an explicit ``calibrate`` is refused at start.
 * ``ModelRunner.init_cuda_graphs``: the load-time calibration (the pools are still empty).
 * ``MHATokenToKVPool.set_kv_buffer``: K/V saturated at +-448 after the division by their scales (an overflowing E4M3
   cast gives NaN on CUDA).
@@ -23,7 +24,7 @@ import torch
 
 from sglang_fp8rl.kv_scales import resolve_kv_scale_mode
 from sglang_fp8rl.kv_scales.calibrate import recalibrate
-from sglang_fp8rl.kv_scales.decode_fold import install_decode_fold
+from sglang_fp8rl.kv_scales.decode_fold import install_decode_fold, unverified_reason
 from sglang_fp8rl.kv_scales.engine import batch_within, calibration_batch, kv_state, set_up, take_due
 from sglang_fp8rl.kv_scales.layers import attach_scales, attention_layers
 from sglang_fp8rl.kv_scales.numerics import saturating_scale_
@@ -36,20 +37,19 @@ RECALIBRATION_ERRORS = (ValueError, RuntimeError)  # non-finite K/V, too few KV 
 
 
 def set_up_kv_scales(runner: Any) -> None:
-    """After load: the mode in force and, when calibrating, scale tensors on every attention layer and the batch."""
+    """After load: the mode in force and, when calibrating, the calibration batch."""
     args = runner.server_args
-    mode = resolve_kv_scale_mode(get_options().kv_scales, str(getattr(args, "kv_cache_dtype", "auto")),
+    option = get_options().kv_scales
+    mode = resolve_kv_scale_mode(option, str(getattr(args, "kv_cache_dtype", "auto")),
                                  getattr(args, "quantization", None))
     if mode != "calibrate":
         set_up(mode, [], "")
         return
-    attach_scales(runner.model, torch.device(runner.device))
     tokenizer = None if getattr(args, "skip_tokenizer_init", False) and not args.tokenizer_path else \
         (args.tokenizer_path or args.model_path)
     ids, source = calibration_batch(get_options().kv_calibration, tokenizer, runner.model_config.vocab_size,
                                     runner.model_config.context_len)
-    set_up(mode, ids, source)
-    logger.info("[fp8rl] KV scales: calibrated on the engine (%d tokens of %s)", sum(map(len, ids)), source)
+    set_up(mode, ids, source, explicit=option == "calibrate")
 
 
 def tp_device_group() -> Optional[Any]:
@@ -67,12 +67,29 @@ def calibrate_now(runner: Any) -> None:
     recalibrate(runner, ids, state.policy, tp_device_group())
 
 
+def use_backend(runner: Any) -> None:
+    """Calibrated scales on a verified backend: scale tensors on every attention layer and, where the backend passes
+    float scales to its decode kernels, the fold. Elsewhere: an error if the user asked for calibrate, else static."""
+    state = kv_state()
+    reason = unverified_reason(runner.attn_backend)
+    if reason is not None:
+        if state.explicit:
+            raise ValueError(f"--fp8rl-kv-scales calibrate: {reason}")
+        state.mode = "static"
+        logger.warning("[fp8rl] KV scales: static (SGLang's), not calibrated: %s", reason)
+        return
+    attach_scales(runner.model, torch.device(runner.device))
+    install_decode_fold(runner.attn_backend)  # before any CUDA graph is captured
+    logger.info("[fp8rl] KV scales: calibrated on the engine (%d tokens of %s)", sum(map(len, state.token_ids)),
+                state.batch_source)
+
+
 def wrap_init_attention_backends(original: Callable) -> Callable:
-    """ModelRunner.init_attention_backends, then the decode fold where the backend reads float scales."""
+    """ModelRunner.init_attention_backends, then the KV scales on the backend (use_backend)."""
     def init_attention_backends(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         if kv_state().calibrating:
-            install_decode_fold(self.attn_backend)  # raises UnsupportedBackend: refused at start
+            use_backend(self)
         return result
 
     return init_attention_backends

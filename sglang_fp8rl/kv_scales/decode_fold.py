@@ -33,6 +33,9 @@ TENSOR_BACKENDS = ("FlashAttentionBackend",)
 SCALE_FREE_BACKENDS = ("TorchNativeAttnBackend",)
 HYBRID_BACKENDS = ("HybridAttnBackend",)
 _FOLD_MARK = "_fp8rl_kv_fold"
+# backends on which a recalibration was proven to take effect exactly (scripts/gpu/check_kv.py: recalibrated in place
+# == a fresh server with the same weights and scales, bit for bit); torch_native (CPU) ignores KV scales
+VERIFIED_BACKENDS = ("TritonAttnBackend", "TorchNativeAttnBackend")
 
 
 class UnsupportedBackend(ValueError):
@@ -84,6 +87,16 @@ def _folded(original: Any, unit: Optional[float]) -> Any:
 
     setattr(forward_decode, _FOLD_MARK, True)
     return forward_decode
+
+
+def unverified_reason(backend: Any) -> Optional[str]:
+    """Why recalibrated scales cannot be trusted on this backend, or None where they were verified."""
+    names = _class_names(decode_backend(backend))
+    if any(name in VERIFIED_BACKENDS for name in names):
+        return None
+    return (f"attention backend {names[0]}: recalibrated FP8 KV scales are not verified on it (on FlashInfer the "
+            "GPU check found a recalibration after an update wrong); use --attention-backend triton, or "
+            "--fp8rl-kv-scales static")
 
 
 def install_decode_fold(backend: Any) -> bool:

@@ -32,6 +32,7 @@ class KVScaleState:
     """Per-process KV-scale state (set at load in ``calibrate`` mode)."""
 
     mode: str = "static"
+    explicit: bool = False  # the user asked for calibrate (not auto): an unverified backend is then an error
     token_ids: list[list[int]] = dataclasses.field(default_factory=list)
     batch_source: str = ""
     policy: ScalePolicy = dataclasses.field(default_factory=ScalePolicy)
@@ -122,9 +123,9 @@ def take_due(num_layers: int) -> bool:
     return due
 
 
-def set_up(mode: str, token_ids: list[list[int]], batch_source: str) -> KVScaleState:
+def set_up(mode: str, token_ids: list[list[int]], batch_source: str, explicit: bool = False) -> KVScaleState:
     """Set this process's mode and calibration batch (at load)."""
-    _STATE.mode, _STATE.token_ids, _STATE.batch_source = mode, token_ids, batch_source
+    _STATE.mode, _STATE.token_ids, _STATE.batch_source, _STATE.explicit = mode, token_ids, batch_source, explicit
     return _STATE
 
 
