@@ -14,6 +14,11 @@ if [ ! -f "$stamp" ]; then
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
   # one resolver-free call: every pin is a wheel; torch==2.13.0 resolves to the local CPU wheel (pip find-links)
   "$venv/bin/pip" install --quiet --no-cache-dir --no-deps -r "$pins" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+  if ! "$venv/bin/python" -c "import sys, torch; sys.exit(torch.version.cuda is not None)" 2>/dev/null; then
+    # PyPI's Linux torch wheel is a CUDA build: take the same version from PyTorch's CPU index instead
+    "$venv/bin/pip" install --quiet --no-cache-dir --no-deps --force-reinstall \
+      --index-url https://download.pytorch.org/whl/cpu "$(grep -E '^torch==' "$pins")"
+  fi
   "$venv/bin/pip" install --quiet --no-deps --no-build-isolation -e .
   "$venv/bin/python" - <<'PY'
 import torch

@@ -68,8 +68,8 @@ if ROOT not in sys.path:
     sys.path.append(ROOT)  # an installed sglang_fp8rl wins; the checkout's serves --dry-run on a bare machine
 
 import torch  # noqa: E402
-
 import train_toy_policy as T  # noqa: E402
+
 from sglang_fp8rl import rollout_correction as rc  # noqa: E402
 
 # FP8: the toy's GEMMs are tiny, so no load-time GEMM measurement (SGLang's block-FP8 dispatch runs them) and one

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_model import TINY, random_state_dict, run_worker, write_checkpoint
+from sgl_model import TINY, run_worker, write_checkpoint
 
 pytestmark = pytest.mark.slow
 

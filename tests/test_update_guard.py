@@ -221,8 +221,8 @@ def test_sglangs_not_optimized_warning_is_filtered_for_our_method_only(caplog):
 def test_calibrated_kv_write_saturates_instead_of_overflowing(monkeypatch):
     """SGLang's real MHA pool on CPU: with calibrated scales the K/V write divides by the scale tensors in place, as
     SGLang does, and clamps to +-448 before the E4M3 cast (on CUDA an overflowing cast gives NaN)."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     from sglang_fp8rl.hooks import kv_cache
     from sglang_fp8rl.kv_scales import engine

@@ -9,9 +9,9 @@ loader buffers items or fails.
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from sglang_fp8rl.weight_sync import validate as U
 

@@ -27,8 +27,14 @@ from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, Flattene
 
 from sglang_fp8rl.kv_scales.engine import mark_due
 from sglang_fp8rl.weight_sync import guard
+from sglang_fp8rl.weight_sync.fp8_payload import (
+    CONTROL_PREFIX,
+    STEP_COMPLETE,
+    attach_scales,
+    pair_stream,
+    split_control,
+)
 from sglang_fp8rl.weight_sync.kv_updates import prepare_kv_scales, split_kv_scales, write_kv_scales
-from sglang_fp8rl.weight_sync.fp8_payload import CONTROL_PREFIX, STEP_COMPLETE, attach_scales, pair_stream, split_control
 from sglang_fp8rl.weight_sync.update import apply_validated, is_attached, original_load_weights, validated_stream
 from sglang_fp8rl.weight_sync.validate import (
     WIRE_DTYPES,

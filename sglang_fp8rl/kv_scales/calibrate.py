@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from array import array
 import logging
 import threading
 import time
+from array import array
 from collections.abc import Sequence
 from typing import Any, Optional
 

@@ -193,8 +193,9 @@ def push_state_dict(target: Any, weights: NamedTensors, bucket_bytes: int = DEFA
 
     ``atomic`` (default): every bucket is first validated by the engine (requests that write nothing), and only if
     all pass are they applied, so a refused bucket leaves every weight as it was. With ``complete`` (default) the
-    last bucket carries the step-complete marker (an engine with calibrated FP8 KV scales then recalibrates). ``weights`` may mix BF16/FP16/FP32 tensors and pre-quantized FP8 (``<name>`` as
-    float8_e4m3fn codes with ``<name>_scale_inv``). Returns the engine's answers to the writing requests."""
+    last bucket carries the step-complete marker (an engine with calibrated FP8 KV scales then recalibrates).
+    ``weights`` may mix BF16/FP16/FP32 tensors and pre-quantized FP8 (``<name>`` as float8_e4m3fn codes with
+    ``<name>_scale_inv``). Returns the engine's answers to the writing requests."""
     chunks = list(buckets(weights, bucket_bytes))
     for bucket in chunks:
         preflight(bucket, "update_weights_from_tensor")

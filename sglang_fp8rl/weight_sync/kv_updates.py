@@ -15,8 +15,13 @@ import torch
 
 from sglang_fp8rl.kv_scales.calibrate import apply_scales
 from sglang_fp8rl.kv_scales.engine import kv_state, note_trainer_scales
-from sglang_fp8rl.kv_scales.layers import attention_layers, kv_scale_values, merge_scales, parse_kv_scale_name, \
-    read_scales
+from sglang_fp8rl.kv_scales.layers import (
+    attention_layers,
+    kv_scale_values,
+    merge_scales,
+    parse_kv_scale_name,
+    read_scales,
+)
 from sglang_fp8rl.kv_scales.numerics import round_scales
 from sglang_fp8rl.weight_sync.validate import UpdateRejected
 
