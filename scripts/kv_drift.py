@@ -1,4 +1,4 @@
-"""A function-preserving drift of a policy's K/V range, for the FP8-KV accuracy arms (issue 15; docs/kv_scales_design.md
+"""A function-preserving drift of a policy's K/V range, for the FP8-KV accuracy arms (issue 15; docs/KV_SCALES.md
 sections 3 and 10).
 
 With a power of two c, every attention layer gets

@@ -262,10 +262,10 @@ def test_kv_calibration_only_on_verified_backends(monkeypatch):
         def forward_decode(self, *args, **kwargs):
             return None
 
-    def runner(backend):
+    def runner(backend, **args):
         model = torch.nn.Module()
         model.attn = RadixAttention(num_heads=1, head_dim=4, scaling=1.0, num_kv_heads=1, layer_id=0)
-        return SimpleNamespace(attn_backend=backend, model=model, device="cpu")
+        return SimpleNamespace(attn_backend=backend, model=model, device="cpu", server_args=SimpleNamespace(**args))
 
     for explicit in (False, True):
         monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=explicit))
@@ -277,6 +277,8 @@ def test_kv_calibration_only_on_verified_backends(monkeypatch):
             kv_cache.use_backend(flashinfer)
             assert engine.kv_state().mode == "static" and flashinfer.model.attn.k_scale is None
     monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=True))
+    with pytest.raises(ValueError, match="speculative decoding"):
+        kv_cache.use_backend(runner(TritonAttnBackend(), speculative_algorithm="EAGLE"))
     triton = runner(TritonAttnBackend())
     kv_cache.use_backend(triton)
     assert isinstance(triton.model.attn.k_scale, torch.Tensor)

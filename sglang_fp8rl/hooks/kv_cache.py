@@ -67,11 +67,24 @@ def calibrate_now(runner: Any) -> None:
     recalibrate(runner, ids, state.policy, tp_device_group())
 
 
+def unsupported_setup(args: Any) -> Optional[str]:
+    """Why this server's setup cannot use calibrated scales (paths the decode fold and the calibration do not cover)."""
+    if getattr(args, "speculative_algorithm", None):
+        return "speculative decoding (its captured target-verify passes float scales)"
+    if getattr(args, "enable_torch_compile", False):
+        return "--enable-torch-compile (the fold inside a compiled decode is untested)"
+    if getattr(args, "enable_dp_attention", False):
+        return "DP attention (not covered by the calibration forward)"
+    if getattr(args, "quantization_param_path", None):
+        return "--quantization-param-path (SGLang's own KV scales)"
+    return None
+
+
 def use_backend(runner: Any) -> None:
     """Calibrated scales on a verified backend: scale tensors on every attention layer and, where the backend passes
     float scales to its decode kernels, the fold. Elsewhere: an error if the user asked for calibrate, else static."""
     state = kv_state()
-    reason = unverified_reason(runner.attn_backend)
+    reason = unsupported_setup(runner.server_args) or unverified_reason(runner.attn_backend)
     if reason is not None:
         if state.explicit:
             raise ValueError(f"--fp8rl-kv-scales calibrate: {reason}")

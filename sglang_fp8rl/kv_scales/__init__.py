@@ -7,7 +7,7 @@
 * :mod:`.decode_fold`: decode on backends that read Python-float scales (Triton, FlashInfer) made CUDA-graph safe.
 * :mod:`.calibrate`: the calibration batch, one forward through SGLang's ModelRunner, and the recalibration step.
 
-docs/kv_scales_design.md gives the plan, the SGLang 0.5.17 facts it rests on, and the hook points.
+docs/KV_SCALES.md gives the design, the SGLang 0.5.17 facts it rests on, and what was measured.
 """
 
 from __future__ import annotations

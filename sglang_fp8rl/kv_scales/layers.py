@@ -1,6 +1,6 @@
 """KV scales on SGLang's ``RadixAttention`` objects: attach device tensors once, then write them in place.
 
-SGLang 0.5.17 reads two representations of one scale (docs/kv_scales_design.md, sec. 1):
+SGLang 0.5.17 reads two representations of one scale (docs/KV_SCALES.md, sec. 1):
 
 * ``layer.k_scale`` / ``layer.v_scale``: float32 tensors. The MHA pool divides K/V by them when it writes the cache
   (memory_pool.py:2340-2343) and FlashAttention-3 expands them as its descale (flashattention_backend.py:1245-1248).

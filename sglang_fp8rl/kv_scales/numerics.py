@@ -6,8 +6,8 @@ attention reads ``code * scale``.
 ``scale = round_up(max(amax, AMAX_FLOOR) * margin / 448)``, computed exactly (rationals) on the host:
 
 * ``margin`` (default 2): the calibration batch is not the rollout. K or V of a later token may exceed the amax seen
-  on it and is then clipped (torch 2.13's E4M3 cast saturates, PyTorch #178817; docs/kv_scales_design.md says how to
-  check the CUDA build in use, where an overflow could be NaN). E4M3 is a floating-point format, so headroom costs
+  on it and is then clipped (:func:`saturating_scale_`: on CUDA an E4M3 cast past 448 gives NaN, measured on an
+  H100 with torch 2.11; torch 2.13 on CPU saturates, PyTorch #178817). E4M3 is a floating-point format, so headroom costs
   range at the bottom only (values below ``2**-6 * scale`` are subnormal, below ``2**-10 * scale`` zero), never
   relative precision: with margin 2 and power-of-two rounding at least 2**12 of normal range lies below the amax.
 * rounding ``pow2`` (default): the smallest power of two >= the value. Division by a power of two is exact in BF16, so
