@@ -17,8 +17,3 @@ def patch(owner: Any, name: str, make_wrapper: Callable[[Callable], Callable]) -
     functools.update_wrapper(wrapper, original)
     setattr(wrapper, _MARK, True)
     setattr(owner, name, wrapper)
-
-
-def is_patched(owner: Any, name: str) -> bool:
-    """Whether ``owner.name`` is one of our wrappers."""
-    return bool(getattr(getattr(owner, name, None), _MARK, False))

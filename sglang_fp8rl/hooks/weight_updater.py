@@ -41,6 +41,7 @@ from sglang_fp8rl.weight_sync.validate import (
     NamedTensors,
     UpdateRejected,
     check_name,
+    request_bytes,
     validate_request,
     validate_stream,
 )
@@ -77,9 +78,8 @@ def prepared_request(model: torch.nn.Module, named: NamedTensors, validate_only:
     written)."""
     weights, control = split_control(named)
     weights, kv_entries = split_kv_scales(weights)
-    nbytes = sum(t.numel() * t.element_size() for _, t in weights if isinstance(t, torch.Tensor))
     validated = validate_request(model, original_load_weights(model), attach_scales(weights))
-    return guard.Prepared(validated, tensors=len(weights), bytes=nbytes, validate_only=validate_only,
+    return guard.Prepared(validated, tensors=len(weights), bytes=request_bytes(weights), validate_only=validate_only,
                           step_complete=STEP_COMPLETE in control, kv_scales=prepare_kv_scales(model, kv_entries))
 
 

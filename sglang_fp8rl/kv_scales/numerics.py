@@ -7,8 +7,8 @@ attention reads ``code * scale``.
 
 * ``margin`` (default 2): the calibration batch is not the rollout. K or V of a later token may exceed the amax seen
   on it and is then clipped (:func:`saturating_scale_`: on CUDA an E4M3 cast past 448 gives NaN, measured on an
-  H100 with torch 2.11; torch 2.13 on CPU saturates, PyTorch #178817). E4M3 is a floating-point format, so headroom costs
-  range at the bottom only (values below ``2**-6 * scale`` are subnormal, below ``2**-10 * scale`` zero), never
+  H100 with torch 2.11; torch 2.13 on CPU saturates, PyTorch #178817). E4M3 is a floating-point format, so headroom
+  costs range at the bottom only (values below ``2**-6 * scale`` are subnormal, below ``2**-10 * scale`` zero), never
   relative precision: with margin 2 and power-of-two rounding at least 2**12 of normal range lies below the amax.
 * rounding ``pow2`` (default): the smallest power of two >= the value. Division by a power of two is exact in BF16, so
   ``k / scale`` is rounded once (to E4M3), not twice (to BF16, then E4M3); the decode fold of the float-reading

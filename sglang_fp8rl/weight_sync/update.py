@@ -14,14 +14,14 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from sglang_fp8rl.kernels.dispatch import check_nonfinite_flag
 from sglang_fp8rl.layers.fp8_storage import layer_state, prevalidated_writes
 from sglang_fp8rl.weight_sync.fp8_payload import attach_scales, pair_stream
-from sglang_fp8rl.weight_sync.validate import NamedTensors, UpdateRejected, Validated, validate_request
+from sglang_fp8rl.weight_sync.validate import NamedTensors, UpdateRejected, Validated, request_bytes, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class UpdateStats:
     def count(self, named_tensors: NamedTensors) -> None:
         """Record the request's size."""
         self.tensors = len(named_tensors)
-        self.bytes = sum(t.numel() * t.element_size() for _, t in named_tensors if isinstance(t, torch.Tensor))
+        self.bytes = request_bytes(named_tensors)
 
     def add(self, validated: Validated) -> None:
         """Record what a validated request will write."""
@@ -217,7 +217,7 @@ class GuardedLoadWeights:
             record(stats)
             raise
         stats.add(validated)
-        names = [name for name, _ in validated.to_load]
+        names = validated.names
         try:
             apply_validated(self.model, self.original, validated.to_load)
         except WRITE_ERRORS as e:
@@ -251,8 +251,3 @@ def attach(model: torch.nn.Module) -> bool:
         return False
     model.load_weights = GuardedLoadWeights(model, model.load_weights)
     return True
-
-
-def dirty_names(named_tensors: Sequence[tuple[str, Any]]) -> list[str]:
-    """The names of a request, for the dirty set."""
-    return [name for name, _ in named_tensors if isinstance(name, str)]

@@ -91,6 +91,11 @@ def all_finite_in_bf16(tensors: Sequence[torch.Tensor]) -> bool:
     return all(extremes_finite_in_bf16(torch.cat(parts)) for parts in norms.values())
 
 
+def request_bytes(named_tensors: Sequence[tuple[Any, Any]]) -> int:
+    """Bytes of the tensors of a request (other entries count 0)."""
+    return sum(t.numel() * t.element_size() for _, t in named_tensors if isinstance(t, torch.Tensor))
+
+
 def check_unique(names: Sequence[str]) -> None:
     """Reject a request that names the same tensor twice."""
     seen: set[str] = set()
