@@ -335,6 +335,10 @@ class Fake(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         from sglang.srt.utils import MultiprocessingSerializer
 
+        if self.path.startswith("/flush_cache"):
+            self.state["flushes"] = self.state.get("flushes", 0) + 1
+            self.reply(200, {})
+            return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/generate" and isinstance(body["input_ids"][0], list):
             n = body["sampling_params"]["max_new_tokens"]
@@ -368,6 +372,7 @@ def test_refuse_through_http(fake_server):
     port = fake_server
     run = server_checks.Run(argparse.Namespace(port=port, tp_size=1), {}, lambda rep, checks: None)
     run.digest, run.ref = 7, server_io.generate(port)
+    assert Fake.state["flushes"] == len(server_io.PROMPTS)  # each reference prompt from an empty radix cache
     bad = [("model.nope.weight", torch.ones(2))]
     c = run.refuse("nope", lambda: server_io.post(port, "/update_weights_from_tensor", sp.tensor_body(bad, 1)),
                    ("model.nope.weight",))
@@ -560,6 +565,9 @@ class FakeEngine(BaseHTTPRequestHandler):
         return True, "Success"
 
     def do_POST(self) -> None:
+        if self.path.startswith("/flush_cache"):
+            self.reply(200, {})
+            return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/generate" and isinstance(body["input_ids"][0], list):
             n = body["sampling_params"]["max_new_tokens"]

@@ -52,7 +52,7 @@ class Run:
             return False, None, {}
         try:
             return True, generate(self.port), fp8rl_info(self.port)
-        except (OSError, ValueError, KeyError):  # requests' errors are OSErrors; KeyError: an error answer
+        except (OSError, ValueError, KeyError, RuntimeError):  # OSError: requests; KeyError: an error answer
             return False, None, {}
 
     def refuse(self, name: str, send: Callable[[], dict], says: tuple[str, ...], **data: Any) -> Check:
@@ -65,9 +65,11 @@ class Run:
             error = f"{type(e).__name__}: {e}"
         seconds = round(time.perf_counter() - t0, 3)
         ok, outputs, info = self.observe()
+        diff = max_logprob_diff(outputs, self.ref) if outputs is not None else None
         return self.add(refusal(name, answer, error, says, ok, same_outputs(outputs, self.ref),
                                 info.get("fp8_param_ptr_digest") == self.digest, info.get("consistent"),
-                                seconds=seconds, http_status=(answer or {}).get("http_status"), **data))
+                                seconds=seconds, http_status=(answer or {}).get("http_status"),
+                                max_logprob_diff=diff, **data))
 
     def push(self, weights: Any, atomic: bool = True, bucket_bytes: int = BUCKET_BYTES) -> tuple[bool, str, float]:
         """(success, message, seconds) of a client push by tensor."""

@@ -69,10 +69,19 @@ def stop(proc: Optional[subprocess.Popen]) -> None:
     proc.wait(30)
 
 
+def flush_cache(port: int, wait_s: float = 60) -> None:
+    """Empty the radix cache once the server is idle; RuntimeError when it does not."""
+    r = requests.post(url(port) + "/flush_cache", params={"timeout": wait_s}, timeout=wait_s + 30)
+    if r.status_code != 200:
+        raise RuntimeError(f"/flush_cache answered HTTP {r.status_code}: {r.text[:200]}")
+
+
 def generate(port: int, prompts: list[list[int]] = PROMPTS) -> list[dict]:
-    """Greedy NEW_TOKENS tokens per prompt, one request each, with their logprobs."""
+    """Greedy NEW_TOKENS tokens per prompt, one request each, with their logprobs, each from an empty radix cache:
+    a prompt served from cached prefixes takes other kernel shapes, so its logprobs differ in the last bits."""
     out = []
     for ids in prompts:
+        flush_cache(port)
         r = requests.post(url(port) + "/generate", json={
             "input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0},
             "return_logprob": True}, timeout=120).json()
