@@ -70,6 +70,7 @@ DEFAULT_ATTENTION_BACKEND = "triton"
 FLASHINFER_PAGED_ENV = {"SGLANG_FLASHINFER_USE_PAGED": "1"}
 KV_SCALES_FIELD = "kv_scales"  # Fp8rlOptions field of --fp8rl-kv-scales
 KV_SCALES_FLAG = "--fp8rl-kv-scales"
+KV_WRITE_FLAG = "--fp8rl-kv-write"
 _FA3_PROBE = "import sgl_kernel.flash_attn; from sgl_kernel import flash_ops"
 
 
@@ -108,6 +109,7 @@ def kv_scales_supported() -> bool:
 
 BF16 = "bf16"
 CALIBRATED_KV = "fp8_online_blockwise_kv"
+CALIBRATED_KV_CONFIGS = (CALIBRATED_KV, "fp8_online_blockwise_kv_fused")  # the targets apply to both K/V writes
 KV_GRID_BATCH_SIZES = (64, 128)
 KV_GRID_OUTPUT_LENS = (256, 1024)
 # decode tok/s of FP8 weights + FP8 KV (calibrated) over BF16 on its fastest backend, at input 512, bs 64 and 128
@@ -189,7 +191,7 @@ def kv_targets(results: dict, batch_sizes=KV_GRID_BATCH_SIZES) -> list[dict]:
     (the target) and against BF16 on the same backend (for reference)."""
     out = []
     for row in kv_ratio_rows(results, batch_sizes, tuple(sorted(KV_TARGETS))):
-        if row["config"] != CALIBRATED_KV:
+        if row["config"] not in CALIBRATED_KV_CONFIGS:
             continue
         thr = KV_TARGETS[row["output_len"]]
         v, s = row["vs_best"], row["vs_same"]

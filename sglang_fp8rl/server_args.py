@@ -23,6 +23,7 @@ from sglang_fp8rl.quant import SCALE_FORMATS
 
 ENV_VAR = "FP8RL_OPTIONS"
 KV_SCALE_OPTIONS = ("auto", "static", "calibrate")  # auto: calibrate with an FP8 E4M3 KV cache (kv_scales/)
+KV_WRITE_OPTIONS = ("sglang", "fused")  # how calibrated K/V reach the cache (hooks/kv_cache.py)
 QUANTIZATION_NAME = "fp8_online_blockwise"
 _PARSER_MARK = "_fp8rl_options_added"
 
@@ -40,6 +41,7 @@ class Fp8rlOptions:
     jit_workers: int = AUTO_JIT_WORKERS
     kv_scales: str = "auto"
     kv_calibration: str = ""
+    kv_write: str = "sglang"
 
     def __post_init__(self) -> None:
         for name in ("bf16_first_layers", "bf16_last_layers"):
@@ -58,6 +60,8 @@ class Fp8rlOptions:
             raise ValueError(f"--fp8rl-jit-workers must be an integer >= {AUTO_JIT_WORKERS}, got {workers!r}")
         if self.kv_scales not in KV_SCALE_OPTIONS:
             raise ValueError(f"--fp8rl-kv-scales must be one of {KV_SCALE_OPTIONS}, got {self.kv_scales!r}")
+        if self.kv_write not in KV_WRITE_OPTIONS:
+            raise ValueError(f"--fp8rl-kv-write must be one of {KV_WRITE_OPTIONS}, got {self.kv_write!r}")
         if not isinstance(self.kv_calibration, str):
             raise ValueError(f"--fp8rl-kv-calibration must be a path, got {self.kv_calibration!r}")
         object.__setattr__(self, "ignore", tuple(self.ignore))
@@ -163,6 +167,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         _flag("kv_calibration"), default=d.kv_calibration, metavar="JSON",
         help="Calibration batch for the KV scales: a JSON list of token-id lists (default: 4 x 512 tokens of a "
              "built-in mixed text, through the model's tokenizer).",
+    )
+    group.add_argument(
+        _flag("kv_write"), choices=KV_WRITE_OPTIONS, default=d.kv_write,
+        help="How calibrated K/V are written to the FP8 cache: sglang = SGLang's division, cast and store plus a "
+             "clamp to +-448; fused = one Triton kernel per layer for all of it (CUDA, power-of-two scales; "
+             "bit-identical to sglang in the kernel tests, not yet measured in a served rollout).",
     )
 
 

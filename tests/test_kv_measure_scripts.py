@@ -76,6 +76,9 @@ def test_kv_configs_and_backend_env():
     on = BR.config_spec("fp8_online_blockwise_kv")
     assert on["flags"] == ["--quantization", "fp8_online_blockwise", "--kv-cache-dtype", "fp8_e4m3"]
     assert BR.config_spec("fp8_online_blockwise_kv_static")["flags"][-2:] == ["--fp8rl-kv-scales", "static"]
+    assert BR.config_spec("fp8_online_blockwise_kv_fused")["flags"] == [*on["flags"], "--fp8rl-kv-write", "fused"]
+    from sglang_fp8rl.server_args import parse_args
+    assert parse_args(BR.config_spec("fp8_online_blockwise_kv_fused")["flags"]).kv_write == "fused"  # a real flag
     assert BR.config_spec("bf16_kv")["flags"] == ["--kv-cache-dtype", "fp8_e4m3"]
     assert "SGLANG_FLASHINFER_USE_PAGED" not in on["env"]
     assert BR.config_spec("fp8_online_blockwise_kv", backend="flashinfer")["env"]["SGLANG_FLASHINFER_USE_PAGED"] == "1"

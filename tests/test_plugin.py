@@ -68,10 +68,11 @@ def test_prepare_server_args_parses_our_options(plugins_loaded, model_dir, monke
         "--model-path", model_dir, "--device", "cpu", "--quantization", "fp8_online_blockwise",
         "--fp8rl-bf16-first-layers", "2", "--fp8rl-bf16-last-layers", "1", "--fp8rl-ignore", r"o_proj$",
         "--fp8rl-ignore", "layers\\.5\\.", "--fp8rl-scale-format", "pow2", "--fp8rl-gemm-select", "cache",
-        "--fp8rl-gemm-tune-budget-s", "7.5",
+        "--fp8rl-gemm-tune-budget-s", "7.5", "--fp8rl-kv-write", "fused",
     ])
     assert sa.quantization == "fp8_online_blockwise"
-    assert get_options() == Fp8rlOptions(2, 1, (r"o_proj$", "layers\\.5\\."), "pow2", "cache", 7.5)
+    assert get_options() == Fp8rlOptions(2, 1, (r"o_proj$", "layers\\.5\\."), "pow2", "cache", 7.5,
+                                         kv_write="fused")
     assert os.environ[DEEPGEMM_PRECOMPILE_ENV] == "0"  # lazy DeepGEMM JIT for our quantization
 
 
@@ -109,7 +110,7 @@ def test_options_appear_in_help(plugins_loaded):
     ServerArgs.add_cli_args(parser)
     text = parser.format_help()
     for option in ("--fp8rl-bf16-first-layers", "--fp8rl-bf16-last-layers", "--fp8rl-ignore", "--fp8rl-scale-format",
-                   "--fp8rl-gemm-select", "--fp8rl-gemm-tune-budget-s"):
+                   "--fp8rl-gemm-select", "--fp8rl-gemm-tune-budget-s", "--fp8rl-kv-scales", "--fp8rl-kv-write"):
         assert option in text
     assert "fp8_online_blockwise" in text
 

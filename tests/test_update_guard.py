@@ -244,6 +244,31 @@ def test_calibrated_kv_write_saturates_instead_of_overflowing(monkeypatch):
     assert k2.float().tolist() == [[[0.5, -1.0, 250.0, -450.0]]]  # static: SGLang's own write, untouched
 
 
+def test_calibrated_kv_write_path_choice(monkeypatch):
+    """The one-launch K/V write (kernels/kv_store.py) is taken only when asked for (--fp8rl-kv-write fused), where
+    it is exact and where SGLang's own write would be a plain NHD store; otherwise the reason says why."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sglang_fp8rl.hooks import kv_cache
+    from sglang_fp8rl.kv_scales import engine
+    from sglang_fp8rl.kv_scales.numerics import ScalePolicy
+
+    pool = MHATokenToKVPool(size=16, page_size=1, dtype=torch.float8_e4m3fn, head_num=2, head_dim=4, layer_num=1,
+                            device="cpu", enable_memory_saver=False)
+    k = v = torch.zeros(3, 2, 4, dtype=torch.bfloat16)
+    args = (pool, 0, k, v, torch.tensor(1.0), torch.tensor(1.0), torch.arange(3))
+    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate"))
+    assert "--fp8rl-kv-write sglang" in kv_cache.fused_write_reason(*args, {})  # the default
+    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", fused_write=True))
+    assert "CUDA" in kv_cache.fused_write_reason(*args, {})
+    assert "DCP mask" in kv_cache.fused_write_reason(*args, {"dcp_kv_mask": torch.ones(3, dtype=torch.bool)})
+    monkeypatch.setattr(pool, "kv_cache_layout", "vectorized_5d")
+    assert "vectorized_5d" in kv_cache.fused_write_reason(*args, {})
+    fp32 = ScalePolicy(scale_format="fp32")
+    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", policy=fp32, fused_write=True))
+    assert "pow2" in kv_cache.fused_write_reason(*args, {})
+
+
 def test_kv_calibration_only_on_verified_backends(monkeypatch):
     """Triton passed the GPU check (recalibrated == fresh server, bit for bit), FlashInfer did not: there, auto falls
     back to static scales and an explicit --fp8rl-kv-scales calibrate is refused at start."""

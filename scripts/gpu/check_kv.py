@@ -70,14 +70,14 @@ def same(a: list[dict], b: list[dict]) -> bool:
     return [x["ids"] for x in a] == [x["ids"] for x in b] and [x["logprobs"] for x in a] == [x["logprobs"] for x in b]
 
 
-def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int) -> dict:
+def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int, kv_write: str = "sglang") -> dict:
     from sglang_fp8rl.weight_sync.client import push_state_dict, recalibrate_kv_scales
 
     env_extra = {"SGLANG_FLASHINFER_USE_PAGED": "1"} if backend == "flashinfer" else {}
     os.environ.update(env_extra)
-    flags = (*KV_FLAGS, "--attention-backend", backend)
-    r: dict = {"backend": backend}
-    a = launch(w0, port, os.path.join(out, f"kv_{backend}_a.log"), *flags, mem=0.35)
+    flags = (*KV_FLAGS, "--attention-backend", backend, "--fp8rl-kv-write", kv_write)
+    r: dict = {"backend": backend if kv_write == "sglang" else f"{backend} (--fp8rl-kv-write {kv_write})"}
+    a = launch(w0, port, os.path.join(out, f"kv_{backend}_{kv_write}_a.log"), *flags, mem=0.35)
     try:
         r["a_startup_s"] = wait_healthy(port, a)
         o0, s0 = generate(port), kv_scales(port)
@@ -99,7 +99,7 @@ def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int
         stop(a)
     with open(os.path.join(out, f"kv_{backend}_a.log"), errors="replace") as f:
         r["a_capture_lines"] = sum("Capture cuda graph end" in line or "Capture decode" in line for line in f)
-    b = launch(w1, port + 1, os.path.join(out, f"kv_{backend}_b.log"), *flags, mem=0.35)
+    b = launch(w1, port + 1, os.path.join(out, f"kv_{backend}_{kv_write}_b.log"), *flags, mem=0.35)
     try:
         r["b_startup_s"] = wait_healthy(port + 1, b)
         out_b, sb = generate(port + 1), kv_scales(port + 1)
@@ -121,6 +121,8 @@ def main() -> int:
     ap.add_argument("--backends", nargs="+", default=["triton", "flashinfer"])
     ap.add_argument("--drift", type=float, default=256.0, help="C, a power of two")
     ap.add_argument("--port", type=int, default=30040)
+    ap.add_argument("--kv-writes", nargs="+", default=["sglang", "fused"], choices=["sglang", "fused"],
+                    help="--fp8rl-kv-write values to check on each backend")
     args = ap.parse_args()
     import torch
 
@@ -131,9 +133,10 @@ def main() -> int:
     write_model(w0, sd0)
     write_model(w1, sd1)
     report = {"drift": args.drift, "results": []}
-    for i, backend in enumerate(args.backends):
+    runs = [(backend, write) for backend in args.backends for write in args.kv_writes]
+    for i, (backend, write) in enumerate(runs):
         try:
-            report["results"].append(check_backend(backend, args.out, w0, w1, sd1, args.port + 10 * i))
+            report["results"].append(check_backend(backend, args.out, w0, w1, sd1, args.port + 10 * i, write))
         except (RuntimeError, TimeoutError, requests.RequestException, OSError) as e:
             report["results"].append({"backend": backend, "verdict": "ERROR", "error": f"{type(e).__name__}: {e}"})
         torch.cuda.empty_cache()

@@ -3,7 +3,7 @@
 #
 # Stages (run in the order given; each has a timeout, and the whole call a DEADLINE so it ends inside the
 # device tool's 600 s per-command limit; a stage that cannot get its minimum time is skipped, not started):
-#   tests     python -m pytest tests/gpu -q -m gpu                                      (T_TESTS, default 480 s)
+#   tests     python -m pytest tests/gpu tests/test_kv_scales.py -q -m gpu                 (T_TESTS, default 480 s)
 #   accuracy  scripts/train_toy_policy.py (skipped when $WORK/toy already holds a checkpoint: warm machine)
 #             then scripts/accuracy_regression.py --task addition (BF16 vs fp8_online_blockwise)  (~4-6 min cold)
 #   rollout   scripts/bench_rollout.py: bf16, fp8_online_blockwise, block_prequant, fp8_channel on Qwen3-8B shapes,
@@ -119,7 +119,8 @@ ensure_toy() {
 for st in "$@"; do
   case $st in
     tests)
-      run_stage tests 60 "${T_TESTS:-480}" $PY -m pytest tests/gpu -q -m gpu -p no:cacheprovider -rfEs
+      run_stage tests 60 "${T_TESTS:-480}" $PY -m pytest tests/gpu tests/test_kv_scales.py -q -m gpu \
+        -p no:cacheprovider -rfEs
       rc=$?; [ $rc = 5 ] && say "tests: pytest collected no GPU test (rc 5)" ;;
     accuracy)
       if ensure_toy; then
@@ -135,8 +136,8 @@ for st in "$@"; do
         --deadline-s $(( l - 25 )) ${ROLLOUT_ARGS:-} ;;
     kv)  # FP8 KV cache, triton: BF16 / FP8 weights + FP8 KV calibrated / static, outputs 256 and 1024
       l=$(left); run_stage kv 150 560 $PY scripts/bench_rollout.py --out "$WORK/kv" --model-dir "$MODELS" \
-        --configs bf16 fp8_online_blockwise_kv fp8_online_blockwise_kv_static --output-len 256 1024 \
-        --deadline-s $(( l - 25 )) ${KV_ARGS:-} ;;
+        --configs bf16 fp8_online_blockwise_kv fp8_online_blockwise_kv_fused fp8_online_blockwise_kv_static \
+        --output-len 256 1024 --deadline-s $(( l - 25 )) ${KV_ARGS:-} ;;
     kv_fi)  # the same on FlashInfer; merges the kv stage's results (BF16 on its fastest backend)
       merge=(); [ -f "$WORK/kv/results.json" ] && merge=(--merge "$WORK/kv/results.json")
       l=$(left); run_stage kv_fi 150 560 $PY scripts/bench_rollout.py --out "$WORK/kv_fi" --model-dir "$MODELS" \

@@ -8,7 +8,8 @@ capture, calibrated after capture, and recalibrated after every complete weight 
   static scales and an explicit ``calibrate`` is refused at start.
 * ``ModelRunner.init_cuda_graphs``: the load-time calibration (the pools are still empty).
 * ``MHATokenToKVPool.set_kv_buffer``: K/V saturated at +-448 after the division by their scales (an overflowing E4M3
-  cast gives NaN on CUDA).
+  cast gives NaN on CUDA); with ``--fp8rl-kv-write fused``, on CUDA, one kernel per layer does the division, clamp,
+  cast and store.
 * ``SchedulerWeightUpdaterManager.update_weights_from_*``: after SGLang answered and flushed, if the update completed a
   step, the TP ranks agree that each is idle with enough free KV slots, then recalibrate together; otherwise the
   previous scales stay and the skip is counted (``deferred`` in the telemetry).
@@ -49,7 +50,7 @@ def set_up_kv_scales(runner: Any) -> None:
         (args.tokenizer_path or args.model_path)
     ids, source = calibration_batch(get_options().kv_calibration, tokenizer, runner.model_config.vocab_size,
                                     runner.model_config.context_len)
-    set_up(mode, ids, source, explicit=option == "calibrate")
+    set_up(mode, ids, source, explicit=option == "calibrate", fused_write=get_options().kv_write == "fused")
 
 
 def tp_device_group() -> Optional[Any]:
@@ -149,21 +150,75 @@ def recalibrate_if_due(manager: Any) -> None:
         logger.warning("[fp8rl] KV recalibration failed, the previous scales stay: %s", e)
 
 
+def fused_write_reason(pool: Any, layer_index: int, k: Any, v: Any, k_scale: Any, v_scale: Any, loc: Any,
+                       extra: dict) -> Optional[str]:
+    """Why this K/V write cannot take the one-launch kernel (kernels/kv_store.py); None when it can."""
+    if not kv_state().fused_write:
+        return "--fp8rl-kv-write sglang"
+    if kv_state().policy.scale_format != "pow2":
+        return "KV scale format is not pow2 (the kernel is bit-exact for power-of-two scales)"
+    if any(value is not None for value in extra.values()) or getattr(pool, "is_quantized_kv_cache", False):
+        return "a DCP mask, a layer override or an FP4 cache"
+    if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
+        return f"KV cache layout {getattr(pool, 'kv_cache_layout', 'hnd')!r} (the kernel writes NHD rows)"
+    if type(pool)._store_kv_layer.__qualname__ != "MHATokenToKVPool._store_kv_layer":
+        return f"{type(pool).__name__} stores its layers its own way"
+    if _async_asserts_on():
+        return "SGLANG_ENABLE_ASYNC_ASSERT (SGLang's out-of-range slot check runs only on its own path)"
+    from sglang_fp8rl.kernels.kv_store import cannot_store  # Triton: imported only when the option asks for it
+
+    return cannot_store(k, v, k_scale, v_scale, pool.k_buffer[layer_index], pool.v_buffer[layer_index], loc)
+
+
+def _async_asserts_on() -> bool:
+    from sglang.srt.environ import envs
+
+    return bool(envs.SGLANG_ENABLE_ASYNC_ASSERT.get())
+
+
+def _log_write_path(reason: Optional[str]) -> None:
+    if reason not in _LOGGED_WRITE_PATHS:
+        _LOGGED_WRITE_PATHS.add(reason)
+        if reason is None:
+            logger.info("[fp8rl] FP8 KV writes: one fused kernel per layer (scale, saturate, cast, store)")
+        else:
+            logger.info("[fp8rl] FP8 KV writes: SGLang's path with a saturating division (%s)", reason)
+
+
+_LOGGED_WRITE_PATHS: set = set()
+
+
 def wrap_set_kv_buffer(original: Callable) -> Callable:
-    """MHATokenToKVPool.set_kv_buffer with calibrated scales: K/V divided by their scale tensors in place, as SGLang
-    does, but saturated at +-448 before SGLang's cast to E4M3 (which yields NaN past 448 on CUDA)."""
+    """MHATokenToKVPool.set_kv_buffer with calibrated scales: K/V scaled, saturated at +-448 (an overflowing E4M3
+    cast gives NaN on CUDA), cast and stored in one kernel where it can run (fused_write_reason); elsewhere divided
+    by their scale tensors in place, as SGLang does, and saturated before SGLang's own cast and store."""
+    from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
+
     signature = inspect.signature(original)
 
     def set_kv_buffer(self, *args, **kwargs):
         if not (kv_state().calibrating and self.dtype == torch.float8_e4m3fn):
             return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
-        cache_k, cache_v = bound.arguments["cache_k"], bound.arguments["cache_v"]
-        k_scale, v_scale = bound.arguments.get("k_scale"), bound.arguments.get("v_scale")
-        if cache_k.dtype != self.dtype and isinstance(k_scale, torch.Tensor) and isinstance(v_scale, torch.Tensor):
-            saturating_scale_(cache_k, k_scale)
-            saturating_scale_(cache_v, v_scale)
-            bound.arguments["k_scale"] = bound.arguments["v_scale"] = None  # divided already
+        arguments = bound.arguments
+        cache_k, cache_v = arguments["cache_k"], arguments["cache_v"]
+        k_scale, v_scale = arguments.get("k_scale"), arguments.get("v_scale")
+        if cache_k.dtype == self.dtype or not (isinstance(k_scale, torch.Tensor) and isinstance(v_scale, torch.Tensor)):
+            return original(*bound.args, **bound.kwargs)
+        loc = unwrap_write_loc(arguments["loc_info"])[0]
+        layer_index = arguments["layer"].layer_id - self.start_layer
+        extra = {name: arguments.get(name) for name in ("layer_id_override", "dcp_kv_mask")}
+        reason = fused_write_reason(self, layer_index, cache_k, cache_v, k_scale, v_scale, loc, extra)
+        _log_write_path(reason)
+        if reason is None:
+            from sglang_fp8rl.kernels.kv_store import store_scaled_fp8
+
+            store_scaled_fp8(cache_k, cache_v, k_scale, v_scale, self.k_buffer[layer_index],
+                             self.v_buffer[layer_index], loc)
+            return None
+        saturating_scale_(cache_k, k_scale)
+        saturating_scale_(cache_v, v_scale)
+        arguments["k_scale"] = arguments["v_scale"] = None  # divided already
         return original(*bound.args, **bound.kwargs)
 
     return set_kv_buffer

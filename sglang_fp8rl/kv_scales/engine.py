@@ -39,6 +39,7 @@ class KVScaleState:
     due: bool = False  # a complete update happened since the last calibration
     trainer_layers: set[int] = dataclasses.field(default_factory=set)  # layers given scales by the trainer this step
     deferred: int = 0  # due recalibrations skipped because the engine was busy or short of KV slots
+    fused_write: bool = False  # --fp8rl-kv-write fused: one kernel writes calibrated K/V (kernels/kv_store.py)
 
     @property
     def calibrating(self) -> bool:
@@ -123,13 +124,16 @@ def take_due(num_layers: int) -> bool:
     return due
 
 
-def set_up(mode: str, token_ids: list[list[int]], batch_source: str, explicit: bool = False) -> KVScaleState:
-    """Set this process's mode and calibration batch (at load)."""
+def set_up(mode: str, token_ids: list[list[int]], batch_source: str, explicit: bool = False,
+           fused_write: bool = False) -> KVScaleState:
+    """Set this process's mode, calibration batch and K/V write path (at load)."""
     _STATE.mode, _STATE.token_ids, _STATE.batch_source, _STATE.explicit = mode, token_ids, batch_source, explicit
+    _STATE.fused_write = fused_write
     return _STATE
 
 
 def describe(state: KVScaleState, record: dict[str, Any]) -> dict[str, Any]:
     """Telemetry for /get_server_info."""
-    return {"mode": state.mode, "batch": state.batch_source, "calibration_tokens": sum(map(len, state.token_ids)),
+    return {"mode": state.mode, "write": "fused" if state.fused_write else "sglang", "batch": state.batch_source,
+            "calibration_tokens": sum(map(len, state.token_ids)),
             "deferred": state.deferred, **record}
