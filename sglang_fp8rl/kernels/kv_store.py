@@ -31,10 +31,11 @@ RESERVED_SLOT = 0
 
 @triton.jit
 def _store_row(src, src_token_stride, src_head_stride, dst, dst_row_stride, token, slot, scale,
-               HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
+               HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+               SKIP_SLOT: tl.constexpr):
     """One token's row (heads x head_dim) of K or V: scaled, saturated, cast, stored at cache row ``slot``."""
     idx = tl.arange(0, BLOCK)
-    mask = (idx < ROW) & (slot != RESERVED_SLOT)
+    mask = (idx < ROW) & (slot != SKIP_SLOT)
     x = tl.load(src + token * src_token_stride + (idx // HEAD_DIM) * src_head_stride + idx % HEAD_DIM,
                 mask=mask, other=0.0)
     q = tl.math.div_rn(x.to(tl.float32), scale).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
@@ -48,13 +49,13 @@ def _scaled_store_kernel(k, v, k_scale, v_scale, k_cache, v_cache, loc,
                          k_token_stride, k_head_stride, v_token_stride, v_head_stride, k_row_stride, v_row_stride,
                          K_HEAD_DIM: tl.constexpr, K_ROW: tl.constexpr, K_BLOCK: tl.constexpr,
                          V_HEAD_DIM: tl.constexpr, V_ROW: tl.constexpr, V_BLOCK: tl.constexpr,
-                         FP8_MAX: tl.constexpr):
+                         FP8_MAX: tl.constexpr, SKIP_SLOT: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc + token).to(tl.int64)
     _store_row(k, k_token_stride, k_head_stride, k_cache, k_row_stride, token, slot, tl.load(k_scale),
-               K_HEAD_DIM, K_ROW, K_BLOCK, FP8_MAX)
+               K_HEAD_DIM, K_ROW, K_BLOCK, FP8_MAX, SKIP_SLOT)
     _store_row(v, v_token_stride, v_head_stride, v_cache, v_row_stride, token, slot, tl.load(v_scale),
-               V_HEAD_DIM, V_ROW, V_BLOCK, FP8_MAX)
+               V_HEAD_DIM, V_ROW, V_BLOCK, FP8_MAX, SKIP_SLOT)
 
 
 def _cannot_store_one(name: str, x: torch.Tensor, cache: torch.Tensor, scale: object) -> Optional[str]:
@@ -97,5 +98,5 @@ def store_scaled_fp8(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache8.stride(0), v_cache8.stride(0),
         K_HEAD_DIM=k.shape[2], K_ROW=k_row, K_BLOCK=triton.next_power_of_2(k_row),
         V_HEAD_DIM=v.shape[2], V_ROW=v_row, V_BLOCK=triton.next_power_of_2(v_row),
-        FP8_MAX=FP8_MAX, num_warps=4,
+        FP8_MAX=FP8_MAX, SKIP_SLOT=RESERVED_SLOT, num_warps=4,
     )

@@ -1,0 +1,33 @@
+"""Triton kernels compile for Hopper (sm90) on a machine without a GPU: front-end errors (an unsupported global, a
+type mismatch) show up in CI instead of at the first launch on a server. Numerics are tested on the GPU
+(tests/gpu/test_kv_store.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from sglang_fp8rl.kernels import kv_store  # noqa: E402
+from sglang_fp8rl.quant import FP8_MAX  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+@pytest.mark.parametrize("loc_type", ["*i64", "*i32"])
+def test_kv_store_kernel_compiles_for_sm90_with_rtne_satfinite_e4m3(loc_type):
+    pointers = {"k": "*bf16", "v": "*bf16", "k_scale": "*fp32", "v_scale": "*fp32", "k_cache": "*fp8e4nv",
+                "v_cache": "*fp8e4nv", "loc": loc_type}
+    strides = dict.fromkeys(["k_token_stride", "k_head_stride", "v_token_stride", "v_head_stride", "k_row_stride",
+                             "v_row_stride"], "i64")
+    constexprs = {"K_HEAD_DIM": 128, "K_ROW": 1024, "K_BLOCK": 1024, "V_HEAD_DIM": 128, "V_ROW": 1024,
+                  "V_BLOCK": 1024, "FP8_MAX": FP8_MAX, "SKIP_SLOT": kv_store.RESERVED_SLOT}
+    signature = {**pointers, **strides, **dict.fromkeys(constexprs, "constexpr")}
+    compiled = triton.compile(ASTSource(fn=kv_store._scaled_store_kernel, signature=signature, constexprs=constexprs),
+                              target=HOPPER)
+    ptx = compiled.asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2" in ptx  # round-to-nearest-even E4M3, like torch's cast after the clamp
+    assert "div.rn.f32" in ptx  # the correctly rounded division, like torch's
