@@ -172,7 +172,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         _flag("kv_write"), choices=KV_WRITE_OPTIONS, default=d.kv_write,
         help="How calibrated K/V are written to the FP8 cache: sglang = SGLang's division, cast and store plus a "
              "clamp to +-448; fused = one Triton kernel per layer for all of it (CUDA, power-of-two scales; "
-             "bit-identical to sglang in the kernel tests, not yet measured in a served rollout).",
+             "experimental: not yet verified or measured in a served rollout).",
     )
 
 
