@@ -247,6 +247,7 @@ def test_calibrated_kv_write_saturates_instead_of_overflowing(monkeypatch):
 def test_calibrated_kv_write_path_choice(monkeypatch):
     """The one-launch K/V write (kernels/kv_store.py) is taken only when asked for (--fp8rl-kv-write fused), where
     it is exact and where SGLang's own write would be a plain NHD store; otherwise the reason says why."""
+    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     from sglang_fp8rl.hooks import kv_cache
@@ -267,6 +268,19 @@ def test_calibrated_kv_write_path_choice(monkeypatch):
     fp32 = ScalePolicy(scale_format="fp32")
     monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", policy=fp32, fused_write=True))
     assert "pow2" in kv_cache.fused_write_reason(*args, {})
+
+    # asked for but unable to run (CPU): the write falls back to the saturating division, and a call without a layer
+    # object (SGLang's layer_id_override) still works
+    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", fused_write=True))
+    monkeypatch.setattr(pool, "kv_cache_layout", "nhd")
+    write = kv_cache.wrap_set_kv_buffer(MHATokenToKVPool.set_kv_buffer)
+    k = torch.tensor([[[1.0, -2.0, 500.0, -900.0], [0.5, 0.25, 3.0, -3.0]]], dtype=torch.bfloat16)
+    write(pool, RadixAttention(num_heads=2, head_dim=4, scaling=1.0, num_kv_heads=2, layer_id=0), torch.tensor([5]),
+          k.clone(), k.clone(), torch.tensor(2.0), torch.tensor(1.0))
+    assert pool.get_key_buffer(0)[5].float().tolist() == [[0.5, -1.0, 256.0, -448.0], [0.25, 0.125, 1.5, -1.5]]
+    write(pool, None, torch.tensor([6]), k.clone(), k.clone(), torch.tensor(1.0), torch.tensor(1.0),
+          layer_id_override=0)
+    assert pool.get_value_buffer(0)[6].float().tolist() == [[1.0, -2.0, 448.0, -448.0], [0.5, 0.25, 3.0, -3.0]]
 
 
 def test_kv_calibration_only_on_verified_backends(monkeypatch):

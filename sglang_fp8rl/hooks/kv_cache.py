@@ -188,12 +188,32 @@ def _log_write_path(reason: Optional[str]) -> None:
 _LOGGED_WRITE_PATHS: set = set()
 
 
-def wrap_set_kv_buffer(original: Callable) -> Callable:
-    """MHATokenToKVPool.set_kv_buffer with calibrated scales: K/V scaled, saturated at +-448 (an overflowing E4M3
-    cast gives NaN on CUDA), cast and stored in one kernel where it can run (fused_write_reason); elsewhere divided
-    by their scale tensors in place, as SGLang does, and saturated before SGLang's own cast and store."""
+def write_fused(pool: Any, arguments: dict) -> bool:
+    """Write a call's K/V with the one-launch kernel where it can run; False, with nothing written, where not."""
     from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
 
+    layer = arguments.get("layer")
+    loc_info = arguments.get("loc_info", arguments.get("loc"))
+    if layer is None or loc_info is None:
+        _log_write_path("a call without a layer object or write location")
+        return False
+    loc, index = unwrap_write_loc(loc_info)[0], layer.layer_id - pool.start_layer
+    k, v, k_scale, v_scale = (arguments[name] for name in ("cache_k", "cache_v", "k_scale", "v_scale"))
+    extra = {name: arguments.get(name) for name in ("layer_id_override", "dcp_kv_mask")}
+    reason = fused_write_reason(pool, index, k, v, k_scale, v_scale, loc, extra)
+    _log_write_path(reason)
+    if reason is not None:
+        return False
+    from sglang_fp8rl.kernels.kv_store import store_scaled_fp8
+
+    store_scaled_fp8(k, v, k_scale, v_scale, pool.k_buffer[index], pool.v_buffer[index], loc)
+    return True
+
+
+def wrap_set_kv_buffer(original: Callable) -> Callable:
+    """MHATokenToKVPool.set_kv_buffer with calibrated scales: K/V divided by their scale tensors in place, as SGLang
+    does, and saturated at +-448 before SGLang's own cast and store (an overflowing E4M3 cast gives NaN on CUDA); with
+    ``--fp8rl-kv-write fused``, all of it in one kernel where it can run (:func:`write_fused`)."""
     signature = inspect.signature(original)
 
     def set_kv_buffer(self, *args, **kwargs):
@@ -205,16 +225,7 @@ def wrap_set_kv_buffer(original: Callable) -> Callable:
         k_scale, v_scale = arguments.get("k_scale"), arguments.get("v_scale")
         if cache_k.dtype == self.dtype or not (isinstance(k_scale, torch.Tensor) and isinstance(v_scale, torch.Tensor)):
             return original(*bound.args, **bound.kwargs)
-        loc = unwrap_write_loc(arguments["loc_info"])[0]
-        layer_index = arguments["layer"].layer_id - self.start_layer
-        extra = {name: arguments.get(name) for name in ("layer_id_override", "dcp_kv_mask")}
-        reason = fused_write_reason(self, layer_index, cache_k, cache_v, k_scale, v_scale, loc, extra)
-        _log_write_path(reason)
-        if reason is None:
-            from sglang_fp8rl.kernels.kv_store import store_scaled_fp8
-
-            store_scaled_fp8(cache_k, cache_v, k_scale, v_scale, self.k_buffer[layer_index],
-                             self.v_buffer[layer_index], loc)
+        if kv_state().fused_write and write_fused(self, arguments):
             return None
         saturating_scale_(cache_k, k_scale)
         saturating_scale_(cache_v, v_scale)
