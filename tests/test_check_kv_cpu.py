@@ -29,3 +29,38 @@ def test_same_compares_ids_and_every_logprob():
     assert check_kv.same(a, [{"ids": [1, 2], "logprobs": [-0.5, -0.25]}])
     assert not check_kv.same(a, [{"ids": [1, 2], "logprobs": [-0.5, -0.2500001]}])
     assert not check_kv.same(a, [{"ids": [1, 3], "logprobs": [-0.5, -0.25]}])
+
+
+def test_check_backend_runs_end_to_end_against_stand_in_servers(tmp_path, monkeypatch):
+    """The whole check with the server I/O stubbed: log paths, the verdict's inputs (a GPU run once died reading
+    a log file under an old name after both servers had run)."""
+    from sglang_fp8rl.weight_sync import client
+
+    launched = []
+
+    def launch(model, port, log, *flags, mem):
+        with open(log, "w") as f:
+            f.write("Capture cuda graph end\n")
+        launched.append((model, port, log, flags))
+        return port
+
+    scales = {"scales": {"0": [1.0, 2.0]}, "seconds": 0.05, "changed_layers": 1}
+    outputs = {"stale": [{"ids": [1], "logprobs": [-1.0]}], "fresh": [{"ids": [1], "logprobs": [-0.5]}]}
+    state = {"recalibrated": False}
+    monkeypatch.setattr(check_kv, "launch", launch)
+    monkeypatch.setattr(check_kv, "wait_healthy", lambda port, proc: 1.0)
+    monkeypatch.setattr(check_kv, "stop", lambda proc: None)
+    monkeypatch.setattr(check_kv, "kv_scales", lambda port: scales)
+    monkeypatch.setattr(check_kv, "fp8rl_info", lambda port: {"fp8_param_ptr_digest": "d"})
+    monkeypatch.setattr(check_kv, "generate", lambda port: outputs[
+        "fresh" if port == 9001 or state["recalibrated"] else "stale"])
+    monkeypatch.setattr(client, "push_state_dict", lambda url, sd, complete: None)
+    monkeypatch.setattr(client, "recalibrate_kv_scales", lambda url: state.update(recalibrated=True))
+
+    r = check_kv.check_backend("triton", str(tmp_path), "w0", "w1", {}, 9000, kv_write="fused")
+    assert [entry[2] for entry in launched] == [str(tmp_path / "kv_triton_fused_a.log"),
+                                                 str(tmp_path / "kv_triton_fused_b.log")]
+    assert ("--fp8rl-kv-write", "fused") == launched[0][3][-2:]
+    assert r["a_capture_lines"] == 1
+    assert r["recalibrated_equals_fresh"] and r["stale_differs_from_fresh"]
+    assert r["verdict"] == "PASS"

@@ -77,7 +77,8 @@ def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int
     os.environ.update(env_extra)
     flags = (*KV_FLAGS, "--attention-backend", backend, "--fp8rl-kv-write", kv_write)
     r: dict = {"backend": backend if kv_write == "sglang" else f"{backend} (--fp8rl-kv-write {kv_write})"}
-    a = launch(w0, port, os.path.join(out, f"kv_{backend}_{kv_write}_a.log"), *flags, mem=0.35)
+    log_a, log_b = (os.path.join(out, f"kv_{backend}_{kv_write}_{which}.log") for which in "ab")
+    a = launch(w0, port, log_a, *flags, mem=0.35)
     try:
         r["a_startup_s"] = wait_healthy(port, a)
         o0, s0 = generate(port), kv_scales(port)
@@ -97,9 +98,9 @@ def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int
         r["changed_layers"] = s1.get("changed_layers")
     finally:
         stop(a)
-    with open(os.path.join(out, f"kv_{backend}_a.log"), errors="replace") as f:
+    with open(log_a, errors="replace") as f:
         r["a_capture_lines"] = sum("Capture cuda graph end" in line or "Capture decode" in line for line in f)
-    b = launch(w1, port + 1, os.path.join(out, f"kv_{backend}_{kv_write}_b.log"), *flags, mem=0.35)
+    b = launch(w1, port + 1, log_b, *flags, mem=0.35)
     try:
         r["b_startup_s"] = wait_healthy(port + 1, b)
         out_b, sb = generate(port + 1), kv_scales(port + 1)

@@ -3,7 +3,7 @@
 #
 # Stages (run in the order given; each has a timeout, and the whole call a DEADLINE so it ends inside the
 # device tool's 600 s per-command limit; a stage that cannot get its minimum time is skipped, not started):
-#   tests     python -m pytest tests/gpu tests/test_kv_scales.py -q -m gpu                 (T_TESTS, default 480 s)
+#   tests     python -m pytest $TESTS -q -m gpu (TESTS default "tests/gpu tests/test_kv_scales.py"; T_TESTS, 480 s)
 #   accuracy  scripts/train_toy_policy.py (skipped when $WORK/toy already holds a checkpoint: warm machine)
 #             then scripts/accuracy_regression.py --task addition (BF16 vs fp8_online_blockwise)  (~4-6 min cold)
 #   rollout   scripts/bench_rollout.py: bf16, fp8_online_blockwise, block_prequant, fp8_channel on Qwen3-8B shapes,
@@ -51,7 +51,7 @@
 # results made by this call (rollout_results.json, accuracy.json, accuracy.png, check_server.json, bench_quant.json,
 # moe_results.json, profile_top_kernels.txt; the first 6 that exist, the rest only inside the tgz).
 # stdout ends with the summary (stage table + each stage's own table).
-# Env: OUT, WORK, DEADLINE (s from start; 570), T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
+# Env: OUT, WORK, DEADLINE (s from start; 570), TESTS, T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
 #      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, KV_ARGS, KV_FI_ARGS, KV_ACC_ARGS, SERVER_ARGS, UPDATE_ARGS, GEMM_ARGS,
 #      STARTUP_ARGS, DEMO_ARGS, RL_ARGS (extra args per script), UPDATE_SCRIPT.
 set -u
@@ -119,7 +119,8 @@ ensure_toy() {
 for st in "$@"; do
   case $st in
     tests)
-      run_stage tests 60 "${T_TESTS:-480}" $PY -m pytest tests/gpu tests/test_kv_scales.py -q -m gpu \
+      # shellcheck disable=SC2086
+      run_stage tests 60 "${T_TESTS:-480}" $PY -m pytest ${TESTS:-tests/gpu tests/test_kv_scales.py} -q -m gpu \
         -p no:cacheprovider -rfEs
       rc=$?; [ $rc = 5 ] && say "tests: pytest collected no GPU test (rc 5)" ;;
     accuracy)
