@@ -113,13 +113,15 @@ def payload_stats(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
 def sum_bucket_stats(stats: list[dict]) -> dict[str, Any]:
     """Sum the per-bucket last_update records of one push."""
     out = {"buckets": len(stats), "ok": all(s.get("ok") for s in stats), "tensors": 0, "bytes": 0,
-           "validate_s": 0.0, "apply_s": 0.0, "fp8_layers_written": {}, "bf16_params_written": 0}
+           "validate_s": 0.0, "apply_s": 0.0, "fp8_layers_written": {}, "bf16_params_written": 0,
+           "replayed_tensors": 0}
     for s in stats:
         out["tensors"] += s.get("tensors", 0)
         out["bytes"] += s.get("bytes", 0)
         out["validate_s"] += s.get("validate_s", 0.0)
         out["apply_s"] += s.get("apply_s", 0.0)
         out["bf16_params_written"] += s.get("bf16_params_written", 0)
+        out["replayed_tensors"] += s.get("replayed_tensors", 0)
         if s.get("peak_extra_bytes") is not None:  # server-side allocator peak (exact, per bucket)
             out["server_peak_extra_bytes"] = max(out.get("server_peak_extra_bytes", 0), s["peak_extra_bytes"])
         for k, v in (s.get("fp8_layers_written") or {}).items():
@@ -239,6 +241,11 @@ def render(res: dict) -> str:
                 f"{_fmt(_gb(tele.get('server_peak_extra_bytes')), '.3f')} | {_fmt(tele.get('validate_s'), '.3f')} | "
                 f"{_fmt(tele.get('apply_s'), '.3f')} | {_fmt(_gb(moved), '.1f')} | {bw_col} |")
     lines.append("")
+    for eng_path, tele in ((f"fp8 {path}", (res.get("engines", {}).get("fp8", {}).get(path) or {})
+                            .get("server_telemetry")) for path in PATHS):
+        if tele and tele.get("tensors"):
+            lines.append(f"- {eng_path}: {tele.get('replayed_tensors', 0)} of {tele['tensors']} tensors written at "
+                         "their dry-run placement (grouped quantizer launches), the rest through load_weights")
     for t in res.get("targets", []):
         lines.append(f"- {t}")
     for note in res.get("notes", []):

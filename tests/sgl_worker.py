@@ -7,6 +7,7 @@ installed entry point.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -65,10 +66,13 @@ def _updater(runner):
 def scenario_updates(runner, extra: dict) -> dict:
     """Apply a list of update requests (each a list of (name, tensor) from a saved file) through SGLang's
     WeightUpdater; record each answer, pointers before/after, parameters after each request, and logits at the end."""
+    from sglang_fp8rl.weight_sync import request
     from sglang_fp8rl.weight_sync.update import engine_state
 
     model = runner.torch_runner.model
     updater = _updater(runner)
+    if extra.get("no_replay"):  # every tensor through the model's load_weights
+        request.ROUTING_ONLY_MODELS = frozenset()
     requests = torch.load(extra["requests"], weights_only=False)
     ptrs_before = pointers(model)
     answers, params_after = [], []
@@ -113,27 +117,45 @@ def scenario_leak(runner, extra: dict) -> dict:
     return {"live": counts, "ptrs_before": ptrs_before, "ptrs_after": pointers(model)}
 
 
+@contextlib.contextmanager
+def device_error_at_write(n: int, enabled: bool = True):
+    """The n-th FP8 quantizer call of the block raises a simulated device error (replayed and loader writes alike:
+    both end in these quantizers on CPU)."""
+    from sglang_fp8rl.kernels import dispatch
+    from sglang_fp8rl.layers import fp8_storage
+
+    calls = {"n": 0}
+    patched = [(module, name, getattr(module, name)) for module in (dispatch, fp8_storage)
+               for name in ("quantize_blockwise_into", "quantize_per_channel_into")]
+
+    def failing(real):
+        def quantize(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise RuntimeError("simulated CUDA error: an illegal memory access was encountered")
+            return real(*args, **kwargs)
+        return quantize
+
+    if enabled:
+        for module, name, real in patched:
+            setattr(module, name, failing(real))
+    try:
+        yield
+    finally:
+        for module, name, real in patched:
+            setattr(module, name, real)
+
+
 def scenario_device_failure(runner, extra: dict) -> dict:
     """A failure after writing started (simulated device error in the 3rd quantized write), then a full update."""
-    import sglang_fp8rl.layers.linear as linear
     from sglang_fp8rl.weight_sync.update import engine_state
 
     model = runner.torch_runner.model
     updater = _updater(runner)
     request = torch.load(extra["requests"], weights_only=False)[0]["tensors"]
-    real = linear.write_incoming  # every write of an incoming tensor into an FP8 linear
-    calls = {"n": 0}
-
-    def failing(*args):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("simulated CUDA error: an illegal memory access was encountered")
-        return real(*args)
-
-    linear.write_incoming = failing
-    first = updater.update_weights_from_tensor(request)
+    with device_error_at_write(3):
+        first = updater.update_weights_from_tensor(request)
     state_after_failure = {"consistent": engine_state().consistent, "reason": engine_state().inconsistent_reason}
-    linear.write_incoming = real
     second = updater.update_weights_from_tensor(request)
     return {"first": first, "state_after_failure": state_after_failure, "second": second,
             "consistent_after_second": engine_state().consistent, "final_params": snapshot(model)}
@@ -185,7 +207,6 @@ def scenario_tp_fault(runner, extra: dict) -> dict:
     """Rank-local failures on TP rank 1 only: (a) validation runs out of memory, (b) a device error while writing;
     then (c) a complete update. Every rank records its answers, parameters and engine state after each request."""
     import sglang_fp8rl.hooks.weight_updater as hooks_updater
-    import sglang_fp8rl.layers.linear as linear
     from sglang_fp8rl.weight_sync.update import engine_state
 
     model = runner.torch_runner.model
@@ -199,23 +220,15 @@ def scenario_tp_fault(runner, extra: dict) -> dict:
         out["steps"].append({"name": name, "answer": answer, "params": snapshot(model),
                              "consistent": engine_state().consistent, "dirty": sorted(engine_state().dirty)})
 
-    real_validate, real_write = hooks_updater.validate_request, linear.write_incoming
+    real_validate = hooks_updater.validate_request
     if faulty:
         def out_of_memory(*args, **kwargs):
             raise torch.OutOfMemoryError("simulated: out of memory in the dry-run scratch")
         hooks_updater.validate_request = out_of_memory
     step("validation_oom")
     hooks_updater.validate_request = real_validate
-    calls = {"n": 0}
-    if faulty:
-        def failing(*args):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("simulated CUDA error: an illegal memory access was encountered")
-            return real_write(*args)
-        linear.write_incoming = failing
-    step("write_error")
-    linear.write_incoming = real_write
+    with device_error_at_write(3, enabled=faulty):
+        step("write_error")
     step("complete")
     return out
 

@@ -511,6 +511,39 @@ class WordTokenizer:
         return [sum(map(ord, w)) % 300 for w in text.split()]
 
 
+def test_recalibration_measures_under_the_given_scales_and_restores_them_on_failure(monkeypatch):
+    """FlashInfer's paged prefill attends to the FP8 cache: the engine calibrates under its start-up scales, so that
+    a recalibration measures what a fresh server measures. During the forward the layers hold ``under``; after it the
+    new scales (the record's ``changed`` against the scales that served); a failed forward leaves the served ones."""
+    mods = radix_layers(n=2)
+    model = as_model(mods)
+    layers.attach_scales(model, "cpu")
+    served = {0: (0.5, 4.0), 1: (2.0, 0.25)}
+    layers.write_scales(mods, served)
+    runner = types.SimpleNamespace(model=model)
+    seen = []
+
+    def measure(model_runner, token_ids, group=None):
+        seen.append(layers.read_scales(mods))
+        return torch.tensor([[448.0, 896.0], [224.0, 112.0]], dtype=torch.float64)
+
+    monkeypatch.setattr(calibrate, "measure_amax", measure)
+    under = {0: (1.0, 1.0), 1: (1.0, 1.0)}
+    cal = calibrate.recalibrate(runner, [[1, 2]], numerics.ScalePolicy(margin=1.0), under=under)
+    assert seen == [under]
+    assert layers.read_scales(mods) == cal.scales == {0: (1.0, 2.0), 1: (0.5, 0.25)}
+    assert cal.changed == (0, 1)  # layer 1's V kept its served value, its K did not
+
+    def failing(model_runner, token_ids, group=None):
+        raise RuntimeError("KV calibration needs 2 free KV slots, 0 are free")
+
+    monkeypatch.setattr(calibrate, "measure_amax", failing)
+    with pytest.raises(RuntimeError, match="free KV slots"):
+        calibrate.recalibrate(runner, [[1, 2]], under=under)
+    assert layers.read_scales(mods) == cal.scales
+    assert layers.tensors_match_floats(mods)
+
+
 def test_calibration_token_ids_default_batch():
     ids = calibrate.calibration_token_ids(WordTokenizer(), num_seqs=3, seq_len=50)
     assert [len(s) for s in ids] == [50, 50, 50]

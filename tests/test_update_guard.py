@@ -12,7 +12,8 @@ from sglang_fp8rl.hooks import scheduler as scheduler_hooks
 from sglang_fp8rl.hooks import tokenizer as tokenizer_hooks
 from sglang_fp8rl.weight_sync import guard, update
 from sglang_fp8rl.weight_sync.consensus import Verdict, combine
-from sglang_fp8rl.weight_sync.validate import UpdateRejected, Validated
+from sglang_fp8rl.weight_sync.request import Validated
+from sglang_fp8rl.weight_sync.validate import UpdateRejected
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglang_fp8rl.weight_sync import request as R
 from sglang_fp8rl.weight_sync import validate as U
 
 
@@ -57,7 +58,7 @@ def test_clean_request_is_one_dry_run_call_and_one_sync(monkeypatch):
     syncs = []
     real = U.extremes_finite_in_bf16
     monkeypatch.setattr(U, "extremes_finite_in_bf16", lambda ends: syncs.append(ends.numel()) or real(ends))
-    validated = U.validate_request(model, model.load_weights, good())
+    validated = R.validate_request(model, model.load_weights, good())
     assert [n for n, _ in validated.to_load] == ["a", "b"] and validated.plain_params == 2
     assert model.calls == 1 and syncs == [2]  # the norms of both tensors, checked together
     assert bool((model.a == 0).all()) and bool((model.b == 0).all())  # a dry run writes nothing
@@ -75,13 +76,13 @@ def test_error_names_the_right_tensor_even_when_buffered():
     model = TinyModel(buffering=True)
     bad = [good()[0], ("b", torch.randn(6, dtype=torch.bfloat16))]
     with pytest.raises(U.UpdateRejected, match=r"^b: not accepted by TinyModel\.load_weights: ValueError: dimension 0 is 6"):
-        U.validate_request(model, model.load_weights, bad)
+        R.validate_request(model, model.load_weights, bad)
 
 
 def test_unknown_name_rejected_after_exact_check():
     model = TinyModel()
     with pytest.raises(U.UpdateRejected, match="^c: not a parameter of TinyModel"):
-        U.validate_request(model, model.load_weights, good() + [("c", torch.randn(2))])
+        R.validate_request(model, model.load_weights, good() + [("c", torch.randn(2))])
 
 
 @pytest.mark.parametrize("where", [0, 1])
@@ -105,35 +106,35 @@ def test_dtype_checked_before_any_reduction():
 def test_stream_is_validated_in_chunks(monkeypatch):
     model = TinyModel()
     seen = []
-    real = U.validate_request
-    monkeypatch.setattr(U, "validate_request",
+    real = R.validate_request
+    monkeypatch.setattr(R, "validate_request",
                         lambda m, lw, named: seen.append(len(named)) or real(m, lw, named))
     stream = [good()[0], good()[1]]
-    assert U.validate_stream(model, model.load_weights, iter(stream), chunk=1).names == ["a", "b"]
+    assert R.validate_stream(model, model.load_weights, iter(stream), chunk=1).names == ["a", "b"]
     assert seen == [1, 1]
     seen.clear()
-    assert U.validate_stream(model, model.load_weights, iter(stream)).names == ["a", "b"] and seen == [2]
+    assert R.validate_stream(model, model.load_weights, iter(stream)).names == ["a", "b"] and seen == [2]
     with pytest.raises(U.UpdateRejected, match="appears more than once"):
-        U.validate_stream(model, model.load_weights, iter(stream + [good()[0]]))
+        R.validate_stream(model, model.load_weights, iter(stream + [good()[0]]))
 
 
 def test_dry_run_is_remembered_per_request_signature():
     model = TinyModel()
 
-    U.validate_request(model, model.load_weights, good())
+    R.validate_request(model, model.load_weights, good())
     assert model.calls == 1
-    again = U.validate_request(model, model.load_weights, good())  # new values, same names and shapes
+    again = R.validate_request(model, model.load_weights, good())  # new values, same names and shapes
     assert model.calls == 1 and again.names == ["a", "b"]
     bad_values = good()
     bad_values[1][1][0] = float("nan")
     with pytest.raises(U.UpdateRejected, match="^b: contains NaN/Inf"):  # values are still checked every time
-        U.validate_request(model, model.load_weights, bad_values)
-    U.validate_request(model, model.load_weights, good()[:1])  # another signature: a new dry run
+        R.validate_request(model, model.load_weights, bad_values)
+    R.validate_request(model, model.load_weights, good()[:1])  # another signature: a new dry run
     assert model.calls == 2
     wrong = [good()[0], ("b", torch.randn(6, dtype=torch.bfloat16))]
     for _ in range(2):  # a rejected request is never remembered as valid
         with pytest.raises(U.UpdateRejected, match="^b: not accepted"):
-            U.validate_request(model, model.load_weights, wrong)
+            R.validate_request(model, model.load_weights, wrong)
     assert U.request_signature(good()) == (("a", (4, 3), torch.bfloat16, "cpu"), ("b", (5,), torch.bfloat16, "cpu"))
 
 

@@ -31,6 +31,8 @@ sys.path.insert(0, HERE)
 from server_io import fp8rl_info, generate, launch, stop, wait_healthy  # noqa: E402
 from server_payloads import make_w1  # noqa: E402
 
+from sglang_fp8rl.kv_scales.decode_fold import ALLOW_UNVERIFIED_ENV  # noqa: E402
+
 KV_FLAGS = ("--kv-cache-dtype", "fp8_e4m3", "--disable-radix-cache")
 CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
               num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=4096,
@@ -73,7 +75,8 @@ def same(a: list[dict], b: list[dict]) -> bool:
 def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int, kv_write: str = "sglang") -> dict:
     from sglang_fp8rl.weight_sync.client import push_state_dict, recalibrate_kv_scales
 
-    env_extra = {"SGLANG_FLASHINFER_USE_PAGED": "1"} if backend == "flashinfer" else {}
+    # FlashInfer is not verified yet: calibrating on it needs the verification switch (this check is that verification)
+    env_extra = {"SGLANG_FLASHINFER_USE_PAGED": "1", ALLOW_UNVERIFIED_ENV: "1"} if backend == "flashinfer" else {}
     os.environ.update(env_extra)
     flags = (*KV_FLAGS, "--attention-backend", backend, "--fp8rl-kv-write", kv_write)
     r: dict = {"backend": backend if kv_write == "sglang" else f"{backend} (--fp8rl-kv-write {kv_write})"}
@@ -124,6 +127,8 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=30040)
     ap.add_argument("--kv-writes", nargs="+", default=["sglang", "fused"], choices=["sglang", "fused"],
                     help="--fp8rl-kv-write values to check on each backend")
+    ap.add_argument("--runs", nargs="+", default=None, metavar="BACKEND:WRITE",
+                    help="explicit (backend, write) pairs, e.g. triton:fused flashinfer:sglang (instead of all pairs)")
     args = ap.parse_args()
     import torch
 
@@ -134,7 +139,8 @@ def main() -> int:
     write_model(w0, sd0)
     write_model(w1, sd1)
     report = {"drift": args.drift, "results": []}
-    runs = [(backend, write) for backend in args.backends for write in args.kv_writes]
+    runs = [tuple(run.split(":", 1)) for run in args.runs] if args.runs else \
+        [(backend, write) for backend in args.backends for write in args.kv_writes]
     for i, (backend, write) in enumerate(runs):
         try:
             report["results"].append(check_backend(backend, args.out, w0, w1, sd1, args.port + 10 * i, write))

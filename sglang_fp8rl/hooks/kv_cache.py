@@ -27,7 +27,7 @@ from sglang_fp8rl.kv_scales import resolve_kv_scale_mode
 from sglang_fp8rl.kv_scales.calibrate import recalibrate
 from sglang_fp8rl.kv_scales.decode_fold import install_decode_fold, unverified_reason
 from sglang_fp8rl.kv_scales.engine import batch_within, calibration_batch, kv_state, set_up, take_due
-from sglang_fp8rl.kv_scales.layers import attach_scales, attention_layers
+from sglang_fp8rl.kv_scales.layers import attach_scales, attention_layers, read_scales
 from sglang_fp8rl.kv_scales.numerics import saturating_scale_
 from sglang_fp8rl.server_args import get_options
 from sglang_fp8rl.weight_sync.consensus import Verdict, agree
@@ -65,7 +65,7 @@ def calibrate_now(runner: Any) -> None:
     """Measure and write the KV scales (every TP rank together; the batch fits the free KV slots)."""
     state = kv_state()
     ids = batch_within(state.token_ids, runner.token_to_kv_pool_allocator.available_size())
-    recalibrate(runner, ids, state.policy, tp_device_group())
+    recalibrate(runner, ids, state.policy, tp_device_group(), under=state.calibrated_under or None)
 
 
 def unsupported_setup(args: Any) -> Optional[str]:
@@ -92,7 +92,7 @@ def use_backend(runner: Any) -> None:
         state.mode = "static"
         logger.warning("[fp8rl] KV scales: static (SGLang's), not calibrated: %s", reason)
         return
-    attach_scales(runner.model, torch.device(runner.device))
+    state.calibrated_under = read_scales(attach_scales(runner.model, torch.device(runner.device)))
     install_decode_fold(runner.attn_backend)  # before any CUDA graph is captured
     logger.info("[fp8rl] KV scales: calibrated on the engine (%d tokens of %s)", sum(map(len, state.token_ids)),
                 state.batch_source)

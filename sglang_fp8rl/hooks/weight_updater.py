@@ -35,16 +35,9 @@ from sglang_fp8rl.weight_sync.fp8_payload import (
     split_control,
 )
 from sglang_fp8rl.weight_sync.kv_updates import prepare_kv_scales, split_kv_scales, write_kv_scales
+from sglang_fp8rl.weight_sync.request import validate_request, validate_stream
 from sglang_fp8rl.weight_sync.update import apply_validated, is_attached, original_load_weights, validated_stream
-from sglang_fp8rl.weight_sync.validate import (
-    WIRE_DTYPES,
-    NamedTensors,
-    UpdateRejected,
-    check_name,
-    request_bytes,
-    validate_request,
-    validate_stream,
-)
+from sglang_fp8rl.weight_sync.validate import WIRE_DTYPES, NamedTensors, UpdateRejected, check_name, request_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +80,7 @@ def writer(model: torch.nn.Module) -> Callable[[guard.Prepared], None]:
     """Write a prepared request through the model's own loaders, then its KV scales; a completed step makes a KV
     recalibration due."""
     def write(prepared: guard.Prepared) -> None:
-        apply_validated(model, original_load_weights(model), prepared.validated.to_load)
+        apply_validated(model, original_load_weights(model), prepared.validated)
         if prepared.kv_scales:
             write_kv_scales(model, prepared.kv_scales)
         if prepared.step_complete:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -38,6 +38,15 @@ def _kernels():
     except ImportError:
         return None
     return triton_quant
+
+
+@functools.cache
+def _grouped_kernels():
+    """The grouped Triton kernel module, or None where Triton does not import."""
+    if _kernels() is None:
+        return None
+    from sglang_fp8rl.kernels import triton_grouped
+    return triton_grouped
 
 
 def triton_available() -> bool:
@@ -166,3 +175,42 @@ def quantize_per_channel_into(
     quant._check_scale_format(scale_format)
     with _current_device_is(q_out.device):
         _kernels().quantize_per_channel_launch(w, q_out, scale_out, scale_format == "pow2", nonfinite_flag)
+
+
+def grouped_reason(w: torch.Tensor, q_out: torch.Tensor, scale_inv_out: torch.Tensor,
+                   block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> str | None:
+    """Why :func:`quantize_blockwise_many` writes this item on its own, or None if it joins a grouped launch."""
+    if _grouped_kernels() is None:
+        return "Triton does not import"
+    return _grouped_kernels().cannot_group(w, q_out, scale_inv_out, block_size)
+
+
+def quantize_blockwise_many(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    nonfinite_flag: torch.Tensor | None,
+    block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    scale_format: ScaleFormat = "fp32",
+) -> int:
+    """:func:`quantize_blockwise_into` on each ``(w, q_out, scale_inv_out)``, same results bit for bit; the items the
+    grouped kernel takes (see :func:`grouped_reason`) go in one launch per input dtype. Returns the launches made.
+
+    Grouped only in the ``nonfinite_flag`` mode (a validated weight update): a grouped launch has no per-tensor
+    pre-read; without a flag every item is written on its own."""
+    quant._check_scale_format(scale_format)
+    groups: dict[tuple[torch.device, torch.dtype], list] = {}
+    launches = 0
+    for w, q_out, scale_inv_out in items:
+        if (nonfinite_flag is None or q_out.dtype != FP8_DTYPE
+                or grouped_reason(w, q_out, scale_inv_out, block_size) is not None):
+            quantize_blockwise_into(w, q_out, scale_inv_out, block_size, scale_format, nonfinite_flag)
+            launches += 1
+            continue
+        quant._check_out(scale_inv_out, quant.blockwise_scale_shape(tuple(w.shape), block_size), torch.float32,
+                         "scale_inv_out")
+        groups.setdefault((q_out.device, w.dtype), []).append((w, q_out, scale_inv_out))
+    for (device, _), group in groups.items():
+        _check_flag(nonfinite_flag, device)
+        with _current_device_is(device):
+            _grouped_kernels().quantize_blockwise_grouped_launch(group, tuple(block_size), scale_format == "pow2",
+                                                                 nonfinite_flag)
+    return launches + len(groups)

@@ -210,10 +210,12 @@ def kv_scale_record() -> KVScaleRecord:
 
 
 def apply_scales(layers: Sequence[Any], scales: dict[int, tuple[float, float]], *, source: str, tokens: int = 0,
-                 amax: Optional[dict[int, tuple[float, float]]] = None, started: Optional[float] = None) -> Calibration:
-    """Write ``scales`` in place (all or nothing), record and log the write; returns its record."""
+                 amax: Optional[dict[int, tuple[float, float]]] = None, started: Optional[float] = None,
+                 before: Optional[dict[int, tuple[float, float]]] = None) -> Calibration:
+    """Write ``scales`` in place (all or nothing), record and log the write; returns its record. ``before``: the
+    scales that served until now (default: the layers' current ones), for the record of what changed."""
     started = time.perf_counter() if started is None else started
-    before = read_scales(layers)
+    before = read_scales(layers) if before is None else before
     written = write_scales(layers, scales)
     changed = tuple(i for i, s in written.items() if before.get(i) != s)
     calibration = Calibration(amax=amax or {}, scales=written, changed=changed, tokens=tokens,
@@ -223,16 +225,29 @@ def apply_scales(layers: Sequence[Any], scales: dict[int, tuple[float, float]], 
 
 
 def recalibrate(model_runner: Any, token_ids: Sequence[Sequence[int]], policy: ScalePolicy = ScalePolicy(),
-                group: Optional[torch.distributed.ProcessGroup] = None) -> Calibration:
+                group: Optional[torch.distributed.ProcessGroup] = None,
+                under: Optional[dict[int, tuple[float, float]]] = None) -> Calibration:
     """Measure K/V amax on ``token_ids`` and write the derived per-layer scales in place into every attention layer.
 
-    Raises (``ValueError`` for non-finite K/V, ``RuntimeError`` for too few free KV slots) without writing anything;
+    ``under``: scales written for the calibration forward only (the engine passes its start-up scales). A backend
+    whose prefill attends to the FP8 cache (FlashInfer's paged prefill) measures later layers' K/V through the scales
+    in force; under fixed ones the result depends on the weights alone, as a fresh server's calibration does.
+    Raises (``ValueError`` for non-finite K/V, ``RuntimeError`` for too few free KV slots) without changing anything;
     the previous scales then stay in force."""
     started = time.perf_counter()
     layers = attention_layers(model_runner.model)
     ids = [layer.layer_id for layer in layers]
-    amax = measure_amax(model_runner, token_ids, group)
-    scales = scales_from_amax(amax, policy, layer_labels(layers))
+    in_force = read_scales(layers)
+    if under is not None:
+        write_scales(layers, under)
+    measured = False
+    try:
+        amax = measure_amax(model_runner, token_ids, group)
+        scales = scales_from_amax(amax, policy, layer_labels(layers))
+        measured = True
+    finally:
+        if not measured:
+            write_scales(layers, in_force)
     return apply_scales(layers, {i: tuple(row) for i, row in zip(ids, scales.tolist())}, source="calibration",
-                        tokens=sum(len(seq) for seq in token_ids), started=started,
+                        tokens=sum(len(seq) for seq in token_ids), started=started, before=in_force,
                         amax={i: tuple(row) for i, row in zip(ids, amax.tolist())})

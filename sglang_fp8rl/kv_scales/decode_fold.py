@@ -24,6 +24,7 @@ FlashAttention-3 reads the tensors itself (flashattention_backend.py:1245-1248):
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -36,6 +37,8 @@ _FOLD_MARK = "_fp8rl_kv_fold"
 # backends on which a recalibration was proven to take effect exactly (scripts/gpu/check_kv.py: recalibrated in place
 # == a fresh server with the same weights and scales, bit for bit); torch_native (CPU) ignores KV scales
 VERIFIED_BACKENDS = ("TritonAttnBackend", "TorchNativeAttnBackend")
+# set to 1 to calibrate on a backend not verified yet: for running that verification (scripts/gpu/check_kv.py)
+ALLOW_UNVERIFIED_ENV = "FP8RL_KV_ALLOW_UNVERIFIED_BACKEND"
 
 
 class UnsupportedBackend(ValueError):
@@ -92,7 +95,7 @@ def _folded(original: Any, unit: Optional[float]) -> Any:
 def unverified_reason(backend: Any) -> Optional[str]:
     """Why recalibrated scales cannot be trusted on this backend, or None where they were verified."""
     names = _class_names(decode_backend(backend))
-    if any(name in VERIFIED_BACKENDS for name in names):
+    if any(name in VERIFIED_BACKENDS for name in names) or os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
         return None
     return (f"attention backend {names[0]}: recalibrated FP8 KV scales are not verified on it (on FlashInfer the "
             "GPU check found a recalibration after an update wrong); use --attention-backend triton, or "

@@ -40,6 +40,9 @@ class KVScaleState:
     trainer_layers: set[int] = dataclasses.field(default_factory=set)  # layers given scales by the trainer this step
     deferred: int = 0  # due recalibrations skipped because the engine was busy or short of KV slots
     fused_write: bool = False  # --fp8rl-kv-write fused: one kernel writes calibrated K/V (kernels/kv_store.py)
+    # the scales in force when the layers got their tensors (SGLang's, normally 1.0): every calibration runs under
+    # them, so that a recalibration measures what a fresh server's start-up calibration measures
+    calibrated_under: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def calibrating(self) -> bool:

@@ -14,18 +14,23 @@ import contextlib
 import contextvars
 import dataclasses
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Optional
 
 import torch
 
-from sglang_fp8rl.kernels.dispatch import new_nonfinite_flag, quantize_blockwise_into, quantize_per_channel_into
+from sglang_fp8rl.kernels.dispatch import (
+    new_nonfinite_flag,
+    quantize_blockwise_into,
+    quantize_blockwise_many,
+    quantize_per_channel_into,
+)
 from sglang_fp8rl.layers.placement import scale_rows
 from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision
 from sglang_fp8rl.quant import FP8_DTYPE, dequantize_blockwise
 
 # attribute of our FP8 parameters holding a loader twin that validates an incoming tensor without writing
-# (used by the weight-update dry run); it returns the owning layer's prefix
+# (used by the weight-update dry run); it returns the IncomingWrite the loader would make
 CHECK_ATTR = "fp8rl_check"
 # attribute of a module quantized by this package that holds its Fp8LayerState
 STATE_ATTR = "_fp8rl"
@@ -150,11 +155,62 @@ def write_incoming(state: Fp8LayerState, loaded: torch.Tensor, src_rows: slice, 
     elif not state.is_block:
         write_rows(state, dequantized_bf16(loaded, state.block_size)[src_rows, src_cols], weight, scale, dst_rows)
     else:
-        block_rows, block_cols = source_blocks(src_rows, src_cols, state.block_size)
-        dst_blocks = scale_rows(dst_rows, state.block_size[0], weight.shape[0])
-        sent_scale = getattr(loaded, SCALE_ATTR)
-        weight[dst_rows].copy_(loaded[src_rows, src_cols])
-        scale[dst_blocks].copy_(sent_scale[block_rows, block_cols])
+        for dst, src in sent_blocks(state, loaded, src_rows, src_cols, weight, scale, dst_rows):
+            dst.copy_(src)
+
+
+def sent_blocks(state: Fp8LayerState, loaded: torch.Tensor, src_rows: slice, src_cols: slice, weight: torch.Tensor,
+                scale: torch.Tensor, dst_rows: slice) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) of pre-quantized codes and their scales into a block layer: this rank's blocks, as sent."""
+    block_rows, block_cols = source_blocks(src_rows, src_cols, state.block_size)
+    dst_blocks = scale_rows(dst_rows, state.block_size[0], weight.shape[0])
+    return [(weight[dst_rows], loaded[src_rows, src_cols]),
+            (scale[dst_blocks], getattr(loaded, SCALE_ATTR)[block_rows, block_cols])]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class IncomingWrite:
+    """Where this rank writes one incoming full tensor in one FP8 layer, as its loader would: rows and columns of
+    the tensor into rows of the layer's 2-D FP8 ``weight`` (a dense layer's, or one expert's) and of its ``scale``.
+
+    The dry run of an update finds it once per request signature; replaying it skips the model's ``load_weights``.
+    ``weight`` None: the tensor has nothing to write on this rank (an expert held by another rank)."""
+
+    state: Fp8LayerState
+    weight: Optional[torch.Tensor] = None
+    scale: Optional[torch.Tensor] = None
+    src_rows: Optional[slice] = None
+    src_cols: Optional[slice] = None
+    dst_rows: Optional[slice] = None
+
+    @property
+    def prefix(self) -> str:
+        """The layer's module name."""
+        return self.state.prefix
+
+
+def write_planned(writes: Sequence[tuple[IncomingWrite, torch.Tensor]]) -> None:
+    """Write many incoming tensors at their planned places, with the results of :func:`write_incoming` on each, in
+    few launches: block layers' quantizations through ``quantize_blockwise_many`` (one launch per block size, scale
+    format and input dtype), pre-quantized blocks in one multi-tensor copy, the rest (per-channel layers, inputs on
+    another device) one by one."""
+    quantize: dict[tuple[tuple[int, int], str], list] = {}
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for t, loaded in writes:
+        if t.weight is None:
+            continue
+        if t.state.is_block and is_prequantized(loaded) and loaded.device == t.weight.device:
+            copies += sent_blocks(t.state, loaded, t.src_rows, t.src_cols, t.weight, t.scale, t.dst_rows)
+        elif t.state.is_block and not is_prequantized(loaded) and loaded.device == t.weight.device:
+            rows = scale_rows(t.dst_rows, t.state.block_size[0], t.weight.shape[0])
+            item = (loaded[t.src_rows, t.src_cols], t.weight[t.dst_rows], t.scale[rows])
+            quantize.setdefault((t.state.block_size, t.state.scale_format), []).append(item)
+        else:
+            write_incoming(t.state, loaded, t.src_rows, t.src_cols, t.weight, t.scale, t.dst_rows)
+    if copies:
+        torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
+    for (block_size, scale_format), items in quantize.items():
+        quantize_blockwise_many(items, _flag_for(items[0][1].device), block_size, scale_format)
 
 
 def dummy_bf16(shape: tuple[int, ...], device: torch.device, key: str) -> torch.Tensor:

@@ -30,6 +30,7 @@ from sglang_fp8rl.kernels import gemm_select
 from sglang_fp8rl.layers.fp8_storage import (
     CHECK_ATTR,
     Fp8LayerState,
+    IncomingWrite,
     check_incoming,
     check_incoming_dtype,
     dummy_bf16,
@@ -108,11 +109,11 @@ def placement_for_incoming(layer: torch.nn.Module, loaded_weight: torch.Tensor,
 
 
 def check_weight_shard(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
-                       loaded_shard_id: ShardId = None) -> str:
-    """Everything :func:`load_weight_shard` checks, without writing; returns the layer's prefix."""
+                       loaded_shard_id: ShardId = None) -> IncomingWrite:
+    """Everything :func:`load_weight_shard` checks, without writing; returns where it would write."""
     p = placement_for_incoming(layer, loaded_weight, loaded_shard_id)
     check_incoming(layer._fp8rl, loaded_weight, p.src_rows, p.src_cols, p.dst_rows, layer.weight.shape[0])
-    return layer._fp8rl.prefix
+    return IncomingWrite(layer._fp8rl, layer.weight.data, _scale(layer).data, p.src_rows, p.src_cols, p.dst_rows)
 
 
 def load_weight_shard(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,

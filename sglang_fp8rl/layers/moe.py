@@ -31,6 +31,7 @@ from sglang.srt.server_args import get_global_server_args
 from sglang_fp8rl.layers.fp8_storage import (
     CHECK_ATTR,
     Fp8LayerState,
+    IncomingWrite,
     check_incoming,
     check_incoming_dtype,
     dummy_bf16,
@@ -124,13 +125,14 @@ def expert_target(layer: torch.nn.Module, param: torch.nn.Parameter, loaded: tor
 
 
 def check_expert_weight(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
-                        weight_name: str = "", shard_id: str = "", expert_id: Optional[int] = None) -> str:
-    """Everything :func:`load_expert_weight` checks, without writing; returns the layer's prefix."""
+                        weight_name: str = "", shard_id: str = "", expert_id: Optional[int] = None) -> IncomingWrite:
+    """Everything :func:`load_expert_weight` checks, without writing; returns where it would write."""
     target = expert_target(layer, param, loaded_weight, shard_id, expert_id)
-    if target is not None:
-        weight, _ = _expert_storage(layer, target.local_expert, shard_id)
-        check_incoming(layer._fp8rl, loaded_weight, *target.src, target.dst_rows, weight.shape[0])
-    return layer._fp8rl.prefix
+    if target is None:
+        return IncomingWrite(layer._fp8rl)
+    weight, scale = _expert_storage(layer, target.local_expert, shard_id)
+    check_incoming(layer._fp8rl, loaded_weight, *target.src, target.dst_rows, weight.shape[0])
+    return IncomingWrite(layer._fp8rl, weight, scale, *target.src, target.dst_rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -24,8 +24,9 @@ from typing import Callable, Optional
 import torch
 
 from sglang_fp8rl.weight_sync.consensus import Verdict, agree
+from sglang_fp8rl.weight_sync.request import Validated
 from sglang_fp8rl.weight_sync.update import engine_state, model_device, new_stats, peak_memory, record
-from sglang_fp8rl.weight_sync.validate import UpdateRejected, Validated
+from sglang_fp8rl.weight_sync.validate import UpdateRejected
 
 logger = logging.getLogger(__name__)
 

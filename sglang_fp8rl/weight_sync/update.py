@@ -19,9 +19,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from sglang_fp8rl.kernels.dispatch import check_nonfinite_flag
-from sglang_fp8rl.layers.fp8_storage import layer_state, prevalidated_writes
+from sglang_fp8rl.layers.fp8_storage import layer_state, prevalidated_writes, write_planned
 from sglang_fp8rl.weight_sync.fp8_payload import attach_scales, pair_stream
-from sglang_fp8rl.weight_sync.validate import NamedTensors, UpdateRejected, Validated, request_bytes, validate_request
+from sglang_fp8rl.weight_sync.request import Validated, validate_request
+from sglang_fp8rl.weight_sync.validate import NamedTensors, UpdateRejected, request_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class UpdateStats:
     apply_s: float = 0.0
     fp8_layers_written: dict[str, int] = dataclasses.field(default_factory=dict)
     bf16_params_written: int = 0
+    replayed_tensors: int = 0  # written at their dry-run placement, without the model's load_weights
     peak_extra_bytes: Optional[int] = None  # CUDA: peak allocated during validate+apply minus allocated before
 
     def count(self, named_tensors: NamedTensors) -> None:
@@ -65,6 +67,7 @@ class UpdateStats:
         for scheme, n in validated.fp8_layers.items():
             self.fp8_layers_written[scheme] = self.fp8_layers_written.get(scheme, 0) + n
         self.bf16_params_written += validated.plain_params
+        self.replayed_tensors += len(validated.replayed)
 
     def summary(self) -> str:
         """The one log line of an update."""
@@ -75,7 +78,8 @@ class UpdateStats:
             f"[fp8rl] weight update #{self.index} ({self.source}): {self.tensors} tensors, "
             f"{self.bytes / 2**20:.1f} MiB, validate {self.validate_s * 1e3:.1f} ms, "
             f"quantize+write {self.apply_s * 1e3:.1f} ms; FP8 layers re-quantized: {layers}; "
-            f"BF16 params written: {self.bf16_params_written}"
+            f"BF16 params written: {self.bf16_params_written}; replayed without load_weights: "
+            f"{self.replayed_tensors}"
             + (f"; peak extra GPU memory {self.peak_extra_bytes / 2**20:.1f} MiB" if self.peak_extra_bytes is not None
                else "")
             + (f"; ignored: {self.ignored}" if self.ignored else "")
@@ -147,14 +151,17 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def apply_validated(model: torch.nn.Module, load_weights: Callable, to_load: NamedTensors) -> None:
-    """Write a validated request in place; errors propagate (the caller knows writing has started)."""
+def apply_validated(model: torch.nn.Module, load_weights: Callable, validated: Validated) -> None:
+    """Write a validated request in place: the replayed FP8 writes first (grouped launches), then the rest through
+    the model's load_weights; errors propagate (the caller knows writing has started)."""
     device = model_device(model)
     _STATE.writes += 1
     with prevalidated_writes(device) as flag:
-        load_weights(list(to_load))
+        write_planned(list(validated.incoming_writes()))
+        if validated.to_load:
+            load_weights(list(validated.to_load))
     if flag is not None:
-        check_nonfinite_flag(flag, dict(to_load))  # cannot trip after validation; defence in depth
+        check_nonfinite_flag(flag, validated.named_tensors())  # cannot trip after validation; defence in depth
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -219,7 +226,7 @@ class GuardedLoadWeights:
         stats.add(validated)
         names = validated.names
         try:
-            apply_validated(self.model, self.original, validated.to_load)
+            apply_validated(self.model, self.original, validated)
         except WRITE_ERRORS as e:
             reason = f"update #{stats.index} failed after writing started: {type(e).__name__}: {e}"
             _STATE.mark_dirty(names, reason)

@@ -21,9 +21,9 @@ from sglang.srt.layers.linear import LinearBase
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-from sglang_fp8rl.layers.fp8_storage import CHECK_ATTR, dequantized_bf16, is_prequantized, layer_state
+from sglang_fp8rl.layers.fp8_storage import CHECK_ATTR, IncomingWrite, is_prequantized
 from sglang_fp8rl.layers.placement import placement_for_layer
-from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE, FP8_DTYPE, extremes, extremes_finite_in_bf16
+from sglang_fp8rl.quant import FP8_DTYPE, extremes, extremes_finite_in_bf16
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
@@ -155,22 +155,31 @@ def check_plain_shape(owner: Optional[torch.nn.Module], param_name: str, param: 
 
 @dataclasses.dataclass
 class DryRunRecord:
-    """Which parameters one tensor reached during a dry run."""
+    """Which parameters one tensor reached during a dry run, and where it writes in our FP8 layers."""
 
-    fp8_layers: list[str] = dataclasses.field(default_factory=list)
+    fp8_writes: list[IncomingWrite] = dataclasses.field(default_factory=list)
     plain_params: int = 0
+    # every FP8 loader call received the request's own tensor (not a view or copy the model made): its writes can
+    # be replayed on the next request's tensor of the same name
+    replayable: bool = True
+
+    @property
+    def fp8_layers(self) -> list[str]:
+        """The FP8 layers the tensor reached."""
+        return [write.prefix for write in self.fp8_writes]
 
     @property
     def consumed(self) -> bool:
         """Whether the tensor reached any parameter."""
-        return bool(self.fp8_layers) or self.plain_params > 0
+        return bool(self.fp8_writes) or self.plain_params > 0
 
 
 @dataclasses.dataclass
 class DryRunTarget:
-    """Where the checkers record: the record of the tensor being dry-run now."""
+    """Where the checkers record: the record of the tensor being dry-run now, and that tensor."""
 
     record: DryRunRecord = dataclasses.field(default_factory=DryRunRecord)
+    tensor: Optional[torch.Tensor] = None
 
 
 def _load_into_scratch(real_loader: Callable, param: torch.nn.Parameter, loaded: torch.Tensor, *args,
@@ -222,7 +231,8 @@ def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunTarget]:
             # our FP8 parameters carry a side-effect-free twin of their loader; it returns the layer's prefix
             check = p.__dict__.get(CHECK_ATTR)
             if check is not None:
-                target.record.fp8_layers.append(check(p, loaded, *args, **kwargs))
+                target.record.fp8_writes.append(check(p, loaded, *args, **kwargs))
+                target.record.replayable &= loaded is target.tensor
                 return
             owner, param_name = owners.get(id(p), (None, ""))
             check_plain_shape(owner, param_name, p, loaded, _shard_id(args, kwargs))
@@ -253,7 +263,7 @@ def dry_run_each(model: torch.nn.Module, load_weights: Callable,
     records: dict[str, DryRunRecord] = {}
     with dry_run_loaders(model) as target:
         for name, tensor in named_tensors:
-            target.record = DryRunRecord()
+            target.record, target.tensor = DryRunRecord(), tensor
             try:
                 load_weights([(name, tensor)])
             except DRY_RUN_ERRORS as e:
@@ -272,9 +282,9 @@ def dry_run(model: torch.nn.Module, load_weights: Callable, named_tensors: Named
     with dry_run_loaders(model) as target:
         def stream():
             for name, tensor in named_tensors:
-                target.record = records.setdefault(name, DryRunRecord())
+                target.record, target.tensor = records.setdefault(name, DryRunRecord()), tensor
                 yield name, tensor
-            target.record = DryRunRecord()  # collects calls made after the last item
+            target.record, target.tensor = DryRunRecord(), None  # collects calls made after the last item
 
         try:
             load_weights(stream())
@@ -313,87 +323,3 @@ def cached_dry_run(model: torch.nn.Module, load_weights: Callable,
     else:
         cache.move_to_end(key)
     return records
-
-
-def model_layer_scheme(model: torch.nn.Module, prefix: str) -> str:
-    """Scheme name ('block'/'channel') of one of the model's FP8 layers."""
-    cache = model.__dict__.setdefault("_fp8rl_scheme_by_prefix", {})
-    if not cache:
-        for module in model.modules():
-            state = layer_state(module)
-            if state is not None:
-                cache[state.prefix] = state.decision.scheme.value
-    return cache[prefix]
-
-
-@dataclasses.dataclass
-class Validated:
-    """A validated request: the tensors to write (ignored names dropped) and what they will write."""
-
-    to_load: list[tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
-    names: list[str] = dataclasses.field(default_factory=list)  # of the tensors to write
-    ignored: list[str] = dataclasses.field(default_factory=list)
-    fp8_layers: dict[str, int] = dataclasses.field(default_factory=dict)
-    plain_params: int = 0
-
-
-def for_plain_params(name: str, tensor: torch.Tensor, record: DryRunRecord) -> torch.Tensor:
-    """Pre-quantized codes bound for parameters that are not ours (a layer kept in BF16) go as their BF16 value."""
-    if not is_prequantized(tensor) or not record.plain_params:
-        return tensor
-    if record.fp8_layers:
-        raise UpdateRejected(f"{name}: reaches both FP8 and BF16 parameters; send it in BF16")
-    return dequantized_bf16(tensor, DEFAULT_BLOCK_SIZE)
-
-
-def validate_request(model: torch.nn.Module, load_weights: Callable, named_tensors: NamedTensors) -> Validated:
-    """Check the whole request before anything is written; raise UpdateRejected naming the tensor and the reason."""
-    check_tensors(named_tensors)
-    check_unique([name for name, _ in named_tensors])
-    records = cached_dry_run(model, load_weights, named_tensors)
-    result = Validated()
-    for name, tensor in named_tensors:
-        record = records[name]
-        if not record.consumed:
-            if not is_ignored_name(model, name):
-                raise UpdateRejected(f"{name}: not a parameter of {type(model).__name__} (its load_weights ignored it)")
-            result.ignored.append(name)
-            continue
-        for prefix in record.fp8_layers:
-            scheme = model_layer_scheme(model, prefix)
-            result.fp8_layers[scheme] = result.fp8_layers.get(scheme, 0) + 1
-        result.plain_params += record.plain_params
-        result.to_load.append((name, for_plain_params(name, tensor, record)))
-        result.names.append(name)
-    return result
-
-
-STREAM_CHUNK = 64  # tensors validated together on the disk path (bounded host memory, few loader swaps)
-
-
-def validate_stream(model: torch.nn.Module, load_weights: Callable, weights: Iterator[tuple[str, torch.Tensor]],
-                    chunk: int = STREAM_CHUNK) -> Validated:
-    """Validate a stream of tensors (a checkpoint's first pass) in chunks; what it would write, without the tensors."""
-    total = Validated()
-    seen: set[str] = set()
-    pending: list[tuple[str, torch.Tensor]] = []
-
-    def flush() -> None:
-        part = validate_request(model, load_weights, pending)
-        total.ignored += part.ignored
-        total.plain_params += part.plain_params
-        for scheme, n in part.fp8_layers.items():
-            total.fp8_layers[scheme] = total.fp8_layers.get(scheme, 0) + n
-        total.names += part.names  # the tensors themselves are not kept: the second pass reads them again
-        pending.clear()
-
-    for name, tensor in weights:
-        if name in seen:
-            raise UpdateRejected(f"{name}: appears more than once in the checkpoint")
-        seen.add(name)
-        pending.append((name, tensor))
-        if len(pending) == chunk:
-            flush()
-    if pending:
-        flush()
-    return total

@@ -1,0 +1,132 @@
+"""A whole update request, validated: what it writes, and how.
+
+:func:`validate_request` runs the checks of :mod:`sglang_fp8rl.weight_sync.validate` and the (remembered) dry run of
+the model's ``load_weights``, then splits the request in two:
+
+* **replayed**: a tensor whose dry run reached only our FP8 layers, with the request's own tensor object, in a model
+  whose ``load_weights`` only routes each tensor to its parameter's loader (:data:`ROUTING_ONLY_MODELS`). Its writes
+  (:class:`~sglang_fp8rl.layers.fp8_storage.IncomingWrite`, the loader's placement) are replayed directly, so a
+  bucket's blockwise quantizations go in a few grouped launches instead of one Python dispatch each;
+* **through the model**: everything else (norms, embeddings, per-model routing) goes through ``load_weights``.
+
+Both give the same bytes; the split only decides how many host calls the write takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+import torch
+
+from sglang_fp8rl.layers.fp8_storage import IncomingWrite, dequantized_bf16, is_prequantized
+from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE
+from sglang_fp8rl.weight_sync.validate import (
+    DryRunRecord,
+    NamedTensors,
+    UpdateRejected,
+    cached_dry_run,
+    check_tensors,
+    check_unique,
+    is_ignored_name,
+)
+
+# SGLang models whose load_weights maps each name to a parameter and calls its loader, and does nothing else with
+# the FP8 weights (no post-processing after the loop, as DeepSeek's derived MLA weights): replaying the loader's
+# placement is the same write. Other models go through load_weights for every tensor.
+ROUTING_ONLY_MODELS = frozenset({
+    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "LlamaForCausalLM",
+})
+
+
+@dataclasses.dataclass
+class Validated:
+    """A validated request: the tensors to write (ignored names dropped), split by how, and what they will write."""
+
+    to_load: list[tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)  # through load_weights
+    replayed: list[tuple[str, torch.Tensor, tuple[IncomingWrite, ...]]] = dataclasses.field(default_factory=list)
+    names: list[str] = dataclasses.field(default_factory=list)  # of the tensors to write
+    ignored: list[str] = dataclasses.field(default_factory=list)
+    fp8_layers: dict[str, int] = dataclasses.field(default_factory=dict)
+    plain_params: int = 0
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor to write, by name."""
+        return {**dict(self.to_load), **{name: tensor for name, tensor, _ in self.replayed}}
+
+    def incoming_writes(self) -> Iterator[tuple[IncomingWrite, torch.Tensor]]:
+        """The replayed writes, each with its tensor."""
+        for _, tensor, writes in self.replayed:
+            for write in writes:
+                yield write, tensor
+
+
+def replays_writes(model: torch.nn.Module) -> bool:
+    """Whether this model's FP8 writes may skip its load_weights (see :data:`ROUTING_ONLY_MODELS`)."""
+    return type(model).__name__ in ROUTING_ONLY_MODELS
+
+
+def for_plain_params(name: str, tensor: torch.Tensor, record: DryRunRecord) -> torch.Tensor:
+    """Pre-quantized codes bound for parameters that are not ours (a layer kept in BF16) go as their BF16 value."""
+    if not is_prequantized(tensor) or not record.plain_params:
+        return tensor
+    if record.fp8_writes:
+        raise UpdateRejected(f"{name}: reaches both FP8 and BF16 parameters; send it in BF16")
+    return dequantized_bf16(tensor, DEFAULT_BLOCK_SIZE)
+
+
+def validate_request(model: torch.nn.Module, load_weights: Callable, named_tensors: NamedTensors) -> Validated:
+    """Check the whole request before anything is written; raise UpdateRejected naming the tensor and the reason."""
+    check_tensors(named_tensors)
+    check_unique([name for name, _ in named_tensors])
+    records = cached_dry_run(model, load_weights, named_tensors)
+    replay = replays_writes(model)
+    result = Validated()
+    for name, tensor in named_tensors:
+        record = records[name]
+        if not record.consumed:
+            if not is_ignored_name(model, name):
+                raise UpdateRejected(f"{name}: not a parameter of {type(model).__name__} (its load_weights ignored it)")
+            result.ignored.append(name)
+            continue
+        for write in record.fp8_writes:
+            scheme = write.state.decision.scheme.value
+            result.fp8_layers[scheme] = result.fp8_layers.get(scheme, 0) + 1
+        result.plain_params += record.plain_params
+        if replay and record.replayable and not record.plain_params:
+            result.replayed.append((name, tensor, tuple(record.fp8_writes)))
+        else:
+            result.to_load.append((name, for_plain_params(name, tensor, record)))
+        result.names.append(name)
+    return result
+
+
+STREAM_CHUNK = 64  # tensors validated together on the disk path (bounded host memory, few loader swaps)
+
+
+def validate_stream(model: torch.nn.Module, load_weights: Callable, weights: Iterator[tuple[str, torch.Tensor]],
+                    chunk: int = STREAM_CHUNK) -> Validated:
+    """Validate a stream of tensors (a checkpoint's first pass) in chunks; what it would write, without the tensors."""
+    total = Validated()
+    seen: set[str] = set()
+    pending: list[tuple[str, torch.Tensor]] = []
+
+    def flush() -> None:
+        part = validate_request(model, load_weights, pending)
+        total.ignored += part.ignored
+        total.plain_params += part.plain_params
+        for scheme, n in part.fp8_layers.items():
+            total.fp8_layers[scheme] = total.fp8_layers.get(scheme, 0) + n
+        total.names += part.names  # the tensors themselves are not kept: the second pass reads them again
+        pending.clear()
+
+    for name, tensor in weights:
+        if name in seen:
+            raise UpdateRejected(f"{name}: appears more than once in the checkpoint")
+        seen.add(name)
+        pending.append((name, tensor))
+        if len(pending) == chunk:
+            flush()
+    if pending:
+        flush()
+    return total
