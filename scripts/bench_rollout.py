@@ -16,7 +16,8 @@ Opt-in (--configs), the FP8 KV cache of issue 15:
   fp8_online_blockwise_kv         fp8_online_blockwise + --kv-cache-dtype fp8_e4m3 (K/V scales calibrated at load:
                                   the plugin's default for this pair of flags)
   fp8_online_blockwise_kv_static  the same + --fp8rl-kv-scales static (SGLang's scale 1.0, no decode fold)
-  fp8_online_blockwise_kv_fused   fp8_online_blockwise_kv + --fp8rl-kv-write fused (one K/V write kernel per layer)
+  fp8_online_blockwise_kv_sglang_write  fp8_online_blockwise_kv + --fp8rl-kv-write sglang (SGLang's K/V write and a
+                                  clamp, instead of the default one-kernel write)
   bf16_kv                         BF16 weights + --kv-cache-dtype fp8_e4m3 (SGLang's static scale 1.0)
   fp8_online_noselect             the plugin with SGLang's GEMM dispatch only (--fp8rl-gemm-select off)
 
@@ -76,7 +77,7 @@ import kv_measure as KV  # noqa: E402  (scripts/kv_measure.py: the FP8-KV tables
 
 CONFIGS = ["bf16", "fp8_online_blockwise", "block_prequant", "fp8_channel"]
 # opt-in: FP8 KV cache
-KV_CONFIGS = ["fp8_online_blockwise_kv", "fp8_online_blockwise_kv_static", "fp8_online_blockwise_kv_fused", "bf16_kv"]
+KV_CONFIGS = ["fp8_online_blockwise_kv", "fp8_online_blockwise_kv_static", "fp8_online_blockwise_kv_sglang_write", "bf16_kv"]
 EXTRA_CONFIGS = ["fp8_online_noselect", *KV_CONFIGS]  # opt-in (--configs)
 DESC = {
     "bf16": "BF16, no quantization",
@@ -86,7 +87,7 @@ DESC = {
     "fp8_channel": "--quantization fp8 (online per-channel W, per-token A)",
     "fp8_online_blockwise_kv": "fp8_online_blockwise + --kv-cache-dtype fp8_e4m3 (K/V scales calibrated at load)",
     "fp8_online_blockwise_kv_static": "fp8_online_blockwise + --kv-cache-dtype fp8_e4m3 --fp8rl-kv-scales static",
-    "fp8_online_blockwise_kv_fused": "fp8_online_blockwise_kv + --fp8rl-kv-write fused",
+    "fp8_online_blockwise_kv_sglang_write": "fp8_online_blockwise_kv + --fp8rl-kv-write sglang",
     "bf16_kv": "BF16 weights + --kv-cache-dtype fp8_e4m3 (SGLang's static scale 1.0)",
 }
 SHORT = {"bf16": "bf16", "fp8_online_blockwise": "online", "block_prequant": "block_prequant",
@@ -134,7 +135,7 @@ def _base_spec(cfg: str, moe: bool) -> dict:
         "fp8_online_noselect": (plain, [*_ONLINE, "--fp8rl-gemm-select", "off"], "0"),
         "fp8_online_blockwise_kv": (plain, [*_ONLINE, *_FP8_KV], "0"),
         "fp8_online_blockwise_kv_static": (plain, [*_ONLINE, *_FP8_KV, KV.KV_SCALES_FLAG, "static"], "0"),
-        "fp8_online_blockwise_kv_fused": (plain, [*_ONLINE, *_FP8_KV, KV.KV_WRITE_FLAG, "fused"], "0"),
+        "fp8_online_blockwise_kv_sglang_write": (plain, [*_ONLINE, *_FP8_KV, KV.KV_WRITE_FLAG, "sglang"], "0"),
         "bf16_kv": (plain, _FP8_KV, "0"),
     }
     if cfg not in specs:

@@ -109,7 +109,7 @@ def kv_scales_supported() -> bool:
 
 BF16 = "bf16"
 CALIBRATED_KV = "fp8_online_blockwise_kv"
-CALIBRATED_KV_CONFIGS = (CALIBRATED_KV, "fp8_online_blockwise_kv_fused")  # the targets apply to both K/V writes
+CALIBRATED_KV_CONFIGS = (CALIBRATED_KV, "fp8_online_blockwise_kv_sglang_write")  # the targets apply to both writes
 KV_GRID_BATCH_SIZES = (64, 128)
 KV_GRID_OUTPUT_LENS = (256, 1024)
 # decode tok/s of FP8 weights + FP8 KV (calibrated) over BF16 on its fastest backend, at input 512, bs 64 and 128

@@ -41,7 +41,7 @@ class Fp8rlOptions:
     jit_workers: int = AUTO_JIT_WORKERS
     kv_scales: str = "auto"
     kv_calibration: str = ""
-    kv_write: str = "sglang"
+    kv_write: str = "fused"
 
     def __post_init__(self) -> None:
         for name in ("bf16_first_layers", "bf16_last_layers"):
@@ -170,9 +170,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         _flag("kv_write"), choices=KV_WRITE_OPTIONS, default=d.kv_write,
-        help="How calibrated K/V are written to the FP8 cache: sglang = SGLang's division, cast and store plus a "
-             "clamp to +-448; fused = one Triton kernel per layer for all of it (CUDA, power-of-two scales; "
-             "experimental: not yet verified or measured in a served rollout).",
+        help="How calibrated K/V are written to the FP8 cache: fused (default) = one Triton kernel per layer "
+             "divides, saturates at +-448, casts and stores K and V, bit-identical to sglang = SGLang's division, "
+             "cast and store plus a clamp (used wherever the kernel cannot run: no CUDA, fp32 KV scales, other "
+             "cache layouts).",
     )
 
 

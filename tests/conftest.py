@@ -45,3 +45,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _restore_fp8rl_options(monkeypatch):
+    """A test that parses a command line publishes its options in FP8RL_OPTIONS (server_args.set_options); restore
+    the variable afterwards so that later tests see the defaults (monkeypatch undoes both calls at teardown)."""
+    name = "FP8RL_OPTIONS"
+    if name in os.environ:
+        monkeypatch.setenv(name, os.environ[name])
+    else:
+        monkeypatch.delenv(name, raising=False)

@@ -76,9 +76,11 @@ def test_kv_configs_and_backend_env():
     on = BR.config_spec("fp8_online_blockwise_kv")
     assert on["flags"] == ["--quantization", "fp8_online_blockwise", "--kv-cache-dtype", "fp8_e4m3"]
     assert BR.config_spec("fp8_online_blockwise_kv_static")["flags"][-2:] == ["--fp8rl-kv-scales", "static"]
-    assert BR.config_spec("fp8_online_blockwise_kv_fused")["flags"] == [*on["flags"], "--fp8rl-kv-write", "fused"]
+    assert BR.config_spec("fp8_online_blockwise_kv_sglang_write")["flags"] == [*on["flags"], "--fp8rl-kv-write",
+                                                                               "sglang"]
     from sglang_fp8rl.server_args import parse_args
-    assert parse_args(BR.config_spec("fp8_online_blockwise_kv_fused")["flags"]).kv_write == "fused"  # a real flag
+    assert parse_args(BR.config_spec("fp8_online_blockwise_kv_sglang_write")["flags"]).kv_write == "sglang"  # real
+    assert parse_args(on["flags"]).kv_write == "fused"  # the default write
     assert BR.config_spec("bf16_kv")["flags"] == ["--kv-cache-dtype", "fp8_e4m3"]
     assert "SGLANG_FLASHINFER_USE_PAGED" not in on["env"]
     assert BR.config_spec("fp8_online_blockwise_kv", backend="flashinfer")["env"]["SGLANG_FLASHINFER_USE_PAGED"] == "1"
@@ -685,6 +687,7 @@ class _FailingStaticEngine(_KVFakeEngine):
 
 def test_accuracy_one_failed_arm_keeps_the_others(tmp_path, monkeypatch):
     sglang = pytest.importorskip("sglang")
+    options_before = os.environ.get("FP8RL_OPTIONS")
     monkeypatch.setattr(sglang, "Engine", _FailingStaticEngine, raising=False)
     model = tmp_path / "toy"
     _save_tiny_checkpoint(model)
@@ -697,4 +700,4 @@ def test_accuracy_one_failed_arm_keeps_the_others(tmp_path, monkeypatch):
     assert set(res["arms"]["original"]) == {"fp8_kv_calibrate"} and list(res["meta"]["failed"]) == [
         "original/fp8_kv_static"]
     assert "FAILED original/fp8_kv_static: RuntimeError: Rank 0 scheduler died" in (out / "summary.md").read_text()
-    assert "FP8RL_OPTIONS" not in os.environ
+    assert os.environ.get("FP8RL_OPTIONS") == options_before  # each arm's options were taken back

@@ -189,7 +189,7 @@ def test_bad_fp8rl_option_values_are_rejected(ckpt):
         parse_args(["--fp8rl-kv-write", "cuda"])
     with pytest.raises(ValueError, match="--fp8rl-kv-write must be one of"):
         Fp8rlOptions(kv_write="cuda")
-    assert parse_args([]).kv_write == "sglang"
+    assert parse_args([]).kv_write == "fused"
     assert parse_args(["--fp8rl-ignore", "a", "--fp8rl-ignore", "b"]).ignore == ("a", "b")
 
 

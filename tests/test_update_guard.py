@@ -246,8 +246,7 @@ def test_calibrated_kv_write_saturates_instead_of_overflowing(monkeypatch):
 
 
 def test_calibrated_kv_write_path_choice(monkeypatch):
-    """The one-launch K/V write (kernels/kv_store.py) is taken only when asked for (--fp8rl-kv-write fused), where
-    it is exact and where SGLang's own write would be a plain NHD store; otherwise the reason says why."""
+    """The one-launch K/V write (kernels/kv_store.py, the default --fp8rl-kv-write fused) is taken where it is exact and where SGLang's own write would be a plain NHD store; otherwise the reason says why."""
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
@@ -260,7 +259,7 @@ def test_calibrated_kv_write_path_choice(monkeypatch):
     k = v = torch.zeros(3, 2, 4, dtype=torch.bfloat16)
     args = (pool, 0, k, v, torch.tensor(1.0), torch.tensor(1.0), torch.arange(3))
     monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate"))
-    assert "--fp8rl-kv-write sglang" in kv_cache.fused_write_reason(*args, {})  # the default
+    assert "--fp8rl-kv-write sglang" in kv_cache.fused_write_reason(*args, {})  # asked for SGLang's write
     monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", fused_write=True))
     assert "CUDA" in kv_cache.fused_write_reason(*args, {})
     assert "DCP mask" in kv_cache.fused_write_reason(*args, {"dcp_kv_mask": torch.ones(3, dtype=torch.bool)})
@@ -285,8 +284,9 @@ def test_calibrated_kv_write_path_choice(monkeypatch):
 
 
 def test_kv_calibration_only_on_verified_backends(monkeypatch):
-    """Triton passed the GPU check (recalibrated == fresh server, bit for bit), FlashInfer did not: there, auto falls
-    back to static scales and an explicit --fp8rl-kv-scales calibrate is refused at start."""
+    """Triton and FlashInfer passed the GPU check (recalibrated == fresh server, bit for bit); FlashAttention-3 was not
+    checked: there, auto falls back to static scales and an explicit --fp8rl-kv-scales calibrate is refused at start,
+    unless the verification switch is set (what scripts/gpu/check_kv.py does to run the check)."""
     from types import SimpleNamespace
 
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -302,6 +302,10 @@ def test_kv_calibration_only_on_verified_backends(monkeypatch):
         def forward_decode(self, *args, **kwargs):
             return None
 
+    class FlashAttentionBackend:
+        def forward_decode(self, *args, **kwargs):
+            return None
+
     def runner(backend, **args):
         model = torch.nn.Module()
         model.attn = RadixAttention(num_heads=1, head_dim=4, scaling=1.0, num_kv_heads=1, layer_id=0)
@@ -309,13 +313,22 @@ def test_kv_calibration_only_on_verified_backends(monkeypatch):
 
     for explicit in (False, True):
         monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=explicit))
-        flashinfer = runner(FlashInferAttnBackend())
+        fa3 = runner(FlashAttentionBackend())
         if explicit:
             with pytest.raises(ValueError, match="not verified"):
-                kv_cache.use_backend(flashinfer)
+                kv_cache.use_backend(fa3)
         else:
-            kv_cache.use_backend(flashinfer)
-            assert engine.kv_state().mode == "static" and flashinfer.model.attn.k_scale is None
+            kv_cache.use_backend(fa3)
+            assert engine.kv_state().mode == "static" and fa3.model.attn.k_scale is None
+    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=True))
+    monkeypatch.setenv("FP8RL_KV_ALLOW_UNVERIFIED_BACKEND", "1")
+    fa3 = runner(FlashAttentionBackend())
+    kv_cache.use_backend(fa3)
+    assert isinstance(fa3.model.attn.k_scale, torch.Tensor) and engine.kv_state().calibrated_under == {0: (1.0, 1.0)}
+    monkeypatch.delenv("FP8RL_KV_ALLOW_UNVERIFIED_BACKEND")
+    flashinfer = runner(FlashInferAttnBackend())
+    kv_cache.use_backend(flashinfer)
+    assert getattr(flashinfer.attn_backend.forward_decode, "_fp8rl_kv_fold", False)
     monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=True))
     with pytest.raises(ValueError, match="speculative decoding"):
         kv_cache.use_backend(runner(TritonAttnBackend(), speculative_algorithm="EAGLE"))

@@ -9,7 +9,7 @@
 #   rollout   scripts/bench_rollout.py: bf16, fp8_online_blockwise, block_prequant, fp8_channel on Qwen3-8B shapes,
 #             bs 64 128, in 512, out 1024                                               (~5-6 min cold)
 #   kv        scripts/bench_rollout.py, FP8 KV cache on triton: bf16, fp8_online_blockwise_kv (scales calibrated),
-#             fp8_online_blockwise_kv_static; bs 64 128, in 512, out 256 and 1024: decode ratios vs BF16, issue 15's
+#             fp8_online_blockwise_kv_sglang_write, fp8_online_blockwise_kv_static; bs 64 128, in 512, out 256 and 1024: decode ratios vs BF16, issue 15's
 #             targets, the load-time KV-scale recalibration vs a 1k-token rollout at bs 128; KV_ARGS (~5-6 min)
 #   kv_fi     the same with --attention-backend flashinfer (SGLANG_FLASHINFER_USE_PAGED=1 for FP8 KV), merging the
 #             kv stage's results so that BF16's fastest backend is the denominator; KV_FI_ARGS  (~6-9 min: own call)
@@ -137,7 +137,7 @@ for st in "$@"; do
         --deadline-s $(( l - 25 )) ${ROLLOUT_ARGS:-} ;;
     kv)  # FP8 KV cache, triton: BF16 / FP8 weights + FP8 KV calibrated / static, outputs 256 and 1024
       l=$(left); run_stage kv 150 560 $PY scripts/bench_rollout.py --out "$WORK/kv" --model-dir "$MODELS" \
-        --configs bf16 fp8_online_blockwise_kv fp8_online_blockwise_kv_fused fp8_online_blockwise_kv_static \
+        --configs bf16 fp8_online_blockwise_kv fp8_online_blockwise_kv_sglang_write fp8_online_blockwise_kv_static \
         --output-len 256 1024 --deadline-s $(( l - 25 )) ${KV_ARGS:-} ;;
     kv_fi)  # the same on FlashInfer; merges the kv stage's results (BF16 on its fastest backend)
       merge=(); [ -f "$WORK/kv/results.json" ] && merge=(--merge "$WORK/kv/results.json")
