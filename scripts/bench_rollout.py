@@ -77,7 +77,8 @@ import kv_measure as KV  # noqa: E402  (scripts/kv_measure.py: the FP8-KV tables
 
 CONFIGS = ["bf16", "fp8_online_blockwise", "block_prequant", "fp8_channel"]
 # opt-in: FP8 KV cache
-KV_CONFIGS = ["fp8_online_blockwise_kv", "fp8_online_blockwise_kv_static", "fp8_online_blockwise_kv_sglang_write", "bf16_kv"]
+KV_CONFIGS = ["fp8_online_blockwise_kv", "fp8_online_blockwise_kv_static", "fp8_online_blockwise_kv_sglang_write",
+              "bf16_kv"]
 EXTRA_CONFIGS = ["fp8_online_noselect", *KV_CONFIGS]  # opt-in (--configs)
 DESC = {
     "bf16": "BF16, no quantization",
