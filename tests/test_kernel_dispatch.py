@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from triton_interpreter import run_under_interpreter
+from triton_interpreter import QUANTIZER_PREAMBLE, run_under_interpreter
 
 from sglang_fp8rl import quant
 from sglang_fp8rl.kernels import dispatch
@@ -201,32 +201,9 @@ def test_supports_block_size_and_per_channel_tiles() -> None:
     assert tq.per_channel_tile(5, 20000) == (4, tq.ROW_CHUNK, False)
 
 
-INTERPRETER_CHECK = textwrap.dedent(
+INTERPRETER_CHECK = QUANTIZER_PREAMBLE + textwrap.dedent(
     """
-    import numpy as np
-    import torch
-    from triton.runtime import interpreter
-
-    from sglang_fp8rl import quant
     from sglang_fp8rl.kernels import triton_quant as tq
-
-    def fused_multiply_add(self, x, y, z):
-        # the interpreter's fma rounds twice (x * y + z in float32); the kernel relies on a real FMA. In extended
-        # precision the first residual is exact and the second sum double-rounds with negligible probability.
-        exact = x.data.astype(np.longdouble) * y.data.astype(np.longdouble) + z.data.astype(np.longdouble)
-        return interpreter.TensorHandle(exact.astype(z.data.dtype), z.dtype.scalar)
-
-    interpreter.InterpreterBuilder.create_fma = fused_multiply_add
-
-    torch.manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
-
-    def weight(n, k, dtype):
-        # exact in BF16: the interpreter's FP32 -> BF16 cast truncates instead of rounding
-        w = torch.randn(n, k) * torch.exp(torch.randn(n, 1).clamp(-2, 2) * 3)  # finite in FP16 too
-        return w.to(torch.bfloat16).to(dtype)
-
-    def quotient(w, s_expanded):
-        return (quant.round_to_bf16(w).float() / s_expanded).clamp(-quant.FP8_MAX, quant.FP8_MAX)
 
     def blockwise(w, block_size, fmt):
         n, k = w.shape

@@ -38,7 +38,8 @@ def test_grouped_quantizer_compiles_for_sm90_with_16_byte_accesses(in_kind):
     from sglang_fp8rl.kernels import triton_grouped
 
     constexprs = {"IN_KIND": in_kind, "OUT_KIND": 0, "BLOCK_N": 128, "BLOCK_K": 128, "POW2": False, "USE_FLAG": True,
-                  "FP8_MAX": FP8_MAX, "AMAX_FLOOR_BITS": triton_grouped._AMAX_FLOOR_BITS}
+                  "FP8_MAX": FP8_MAX, "AMAX_FLOOR_BITS": triton_grouped._AMAX_FLOOR_BITS,
+                  "COLUMNS": triton_grouped.TABLE_COLUMNS}
     signature = {"table_ptr": "*i64", "flag_ptr": "*i32", **dict.fromkeys(constexprs, "constexpr")}
     compiled = triton.compile(ASTSource(fn=triton_grouped._grouped_blockwise_kernel, signature=signature,
                                         constexprs=constexprs), target=HOPPER)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -14,3 +15,34 @@ def run_under_interpreter(code: str, timeout: int = 300) -> subprocess.Completed
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=REPO_ROOT)
+
+
+# The start of every quantizer check run under the interpreter: its FMA made exact (the kernels rely on a fused
+# multiply-add; the interpreter rounds twice), a random seed, and BF16-exact weights with their reference quotients.
+QUANTIZER_PREAMBLE = textwrap.dedent(
+    """
+    import numpy as np
+    import torch
+    from triton.runtime import interpreter
+
+    from sglang_fp8rl import quant
+
+    def fused_multiply_add(self, x, y, z):
+        # the interpreter's fma rounds twice (x * y + z in float32); the kernel relies on a real FMA. In extended
+        # precision the first residual is exact and the second sum double-rounds with negligible probability.
+        exact = x.data.astype(np.longdouble) * y.data.astype(np.longdouble) + z.data.astype(np.longdouble)
+        return interpreter.TensorHandle(exact.astype(z.data.dtype), z.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_fma = fused_multiply_add
+
+    torch.manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+
+    def weight(n, k, dtype):
+        # exact in BF16: the interpreter's FP32 -> BF16 cast truncates instead of rounding
+        w = torch.randn(n, k) * torch.exp(torch.randn(n, 1).clamp(-2, 2) * 3)  # finite in FP16 too
+        return w.to(torch.bfloat16).to(dtype)
+
+    def quotient(w, s_expanded):
+        return (quant.round_to_bf16(w).float() / s_expanded).clamp(-quant.FP8_MAX, quant.FP8_MAX)
+    """
+)

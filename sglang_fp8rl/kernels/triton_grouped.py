@@ -21,12 +21,9 @@ import triton.language as tl
 
 from sglang_fp8rl.kernels.triton_quant import (
     _AMAX_FLOOR_BITS,
-    _abs_bits,
-    _clamped_quotient,
     _load_bf16,
     _num_warps,
-    _reciprocal,
-    _scale_from_amax_bits,
+    _quantize_block,
     _store_codes,
     _tile_mask,
     supports_block_size,
@@ -55,10 +52,11 @@ def _grouped_blockwise_kernel(
     USE_FLAG: tl.constexpr,
     FP8_MAX: tl.constexpr = FP8_MAX,
     AMAX_FLOOR_BITS: tl.constexpr = _AMAX_FLOOR_BITS,
+    COLUMNS: tl.constexpr = TABLE_COLUMNS,
 ):
     """Block ``program_id(0)`` of tensor ``program_id(1)``; programs past a tensor's last block return at once."""
     pid = tl.program_id(0)
-    entry = table_ptr + tl.program_id(1) * 8
+    entry = table_ptr + tl.program_id(1) * COLUMNS
     n_col_blocks = tl.load(entry + 4) // BLOCK_K
     if pid >= (tl.load(entry + 3) // BLOCK_N) * n_col_blocks:
         return
@@ -89,15 +87,12 @@ def _grouped_blockwise_kernel(
     mask = _tile_mask(r, c, BLOCK_N, BLOCK_K, False, False)
     w_tile = w_ptr + row0 * tl.load(entry + 5) + col0
     x = _load_bf16(w_tile + (r[:, None] * w_stride + c[None, :]), mask, IN_KIND != 0)
-    amax_bits = tl.max(_abs_bits(x))
-    finite = amax_bits < 0x7F800000
-    scale = _scale_from_amax_bits(amax_bits, FP8_MAX, AMAX_FLOOR_BITS, POW2)
-    y = _clamped_quotient(x.to(tl.float32), scale, _reciprocal(scale), FP8_MAX)
+    y, scale, finite = _quantize_block(x, FP8_MAX, AMAX_FLOOR_BITS, POW2)
     q_tile = q_ptr + row0 * tl.load(entry + 6) + col0
     _store_codes(q_tile + (r[:, None] * q_stride + c[None, :]), y, mask & finite)
     tl.store(s_ptr + bn * tl.load(entry + 7) + bk, scale, mask=finite)
     if USE_FLAG:
-        tl.store(flag_ptr, 1, mask=amax_bits >= 0x7F800000)  # every writer writes the same 1
+        tl.store(flag_ptr, 1, mask=finite == 0)  # every writer writes the same 1
 
 
 # ---------------------------------------------------------------------------------------------------------------------

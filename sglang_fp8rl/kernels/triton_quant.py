@@ -119,6 +119,16 @@ def _clamped_quotient(x, scale, rcp, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _quantize_block(x, FP8_MAX: tl.constexpr, AMAX_FLOOR_BITS: tl.constexpr, POW2: tl.constexpr):
+    """A whole block held in registers: its clamped quotients (float32, still to be cast), its scale, and whether
+    it is finite (a block holding a NaN/Inf writes nothing)."""
+    amax_bits = tl.max(_abs_bits(x))
+    scale = _scale_from_amax_bits(amax_bits, FP8_MAX, AMAX_FLOOR_BITS, POW2)
+    y = _clamped_quotient(x.to(tl.float32), scale, _reciprocal(scale), FP8_MAX)
+    return y, scale, amax_bits < 0x7F800000
+
+
+@triton.jit
 def _store_codes(ptrs, y, mask):
     """Store ``y`` cast (RNE) to the destination's element type: FP8 codes, or the quotient itself for float32."""
     tl.store(ptrs, y.to(ptrs.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
@@ -193,16 +203,13 @@ def _blockwise_kernel(
     mask = _tile_mask(r, c, n_rows - bn * BLOCK_N, n_cols - bk * BLOCK_K, MASK_N, MASK_K)
     w_tile = w_ptr + row0 * w_stride_r + col0 * w_stride_c
     x = _load_bf16(w_tile + _tile_offsets(r, c, w_stride_r, w_stride_c, WIDE_INDEX), mask, ROUND_TO_BF16)
-    amax_bits = tl.max(_abs_bits(x))
-    finite = amax_bits < 0x7F800000
-    scale = _scale_from_amax_bits(amax_bits, FP8_MAX, AMAX_FLOOR_BITS, POW2)
-    y = _clamped_quotient(x.to(tl.float32), scale, _reciprocal(scale), FP8_MAX)
+    y, scale, finite = _quantize_block(x, FP8_MAX, AMAX_FLOOR_BITS, POW2)
     q_tile = q_ptr + row0 * q_stride_r + col0 * q_stride_c
     _store_codes(q_tile + _tile_offsets(r, c, q_stride_r, q_stride_c, WIDE_INDEX), y, mask & finite)
     tl.store(s_ptr + bn.to(tl.int64) * s_stride_r + bk.to(tl.int64) * s_stride_c, scale, mask=finite)
     if USE_FLAG:
         # a plain store, not an atomic: every writer writes the same 1
-        tl.store(flag_ptr, 1, mask=amax_bits >= 0x7F800000)
+        tl.store(flag_ptr, 1, mask=finite == 0)
 
 
 @triton.jit(do_not_specialize=["n_rows", "s_stride"])
