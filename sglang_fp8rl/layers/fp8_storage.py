@@ -196,17 +196,18 @@ def write_planned(writes: Sequence[tuple[IncomingWrite, torch.Tensor]]) -> None:
     another device) one by one."""
     quantize: dict[tuple[tuple[int, int], str], list] = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for t, loaded in writes:
-        if t.weight is None:
+    for target, loaded in writes:
+        state, weight, scale = target.state, target.weight, target.scale
+        if weight is None:
             continue
-        if t.state.is_block and is_prequantized(loaded) and loaded.device == t.weight.device:
-            copies += sent_blocks(t.state, loaded, t.src_rows, t.src_cols, t.weight, t.scale, t.dst_rows)
-        elif t.state.is_block and not is_prequantized(loaded) and loaded.device == t.weight.device:
-            rows = scale_rows(t.dst_rows, t.state.block_size[0], t.weight.shape[0])
-            item = (loaded[t.src_rows, t.src_cols], t.weight[t.dst_rows], t.scale[rows])
-            quantize.setdefault((t.state.block_size, t.state.scale_format), []).append(item)
+        if not (state.is_block and loaded.device == weight.device):
+            write_incoming(state, loaded, target.src_rows, target.src_cols, weight, scale, target.dst_rows)
+        elif is_prequantized(loaded):
+            copies += sent_blocks(state, loaded, target.src_rows, target.src_cols, weight, scale, target.dst_rows)
         else:
-            write_incoming(t.state, loaded, t.src_rows, t.src_cols, t.weight, t.scale, t.dst_rows)
+            rows = scale_rows(target.dst_rows, state.block_size[0], weight.shape[0])
+            item = (loaded[target.src_rows, target.src_cols], weight[target.dst_rows], scale[rows])
+            quantize.setdefault((state.block_size, state.scale_format), []).append(item)
     if copies:
         torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
     for (block_size, scale_format), items in quantize.items():
