@@ -32,11 +32,10 @@ from sglang_fp8rl.weight_sync.validate import (
 )
 
 # SGLang models whose load_weights maps each name to a parameter and calls its loader, and does nothing else with
-# the FP8 weights (no post-processing after the loop, as DeepSeek's derived MLA weights): replaying the loader's
-# placement is the same write. Other models go through load_weights for every tensor.
-ROUTING_ONLY_MODELS = frozenset({
-    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "LlamaForCausalLM",
-})
+# the FP8 weights (no post-processing after the loop, as DeepSeek's derived MLA weights), and whose replayed writes
+# are tested against their loaders (tests/test_replayed_writes.py): replaying the loader's placement is the same
+# write. Other models go through load_weights for every tensor.
+ROUTING_ONLY_MODELS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 
 
 @dataclasses.dataclass
