@@ -2,7 +2,7 @@
 load_weights (grouped quantizer launches on CUDA), give the same bytes as the model's own loaders.
 
 Each case runs the same requests twice through SGLang's real WeightUpdater on CPU, once as shipped and once with
-every tensor through load_weights, and compares every parameter byte for byte; dense (block, per-channel fallback,
+every tensor through load_weights, and compares every parameter byte for byte after every request; dense (block, per-channel fallback,
 BF16 layers), MoE, pre-quantized payloads, FP32 and flattened buckets.
 """
 
@@ -33,12 +33,14 @@ QUANT = ("--quantization", "fp8_online_blockwise")
 
 
 def both_ways(model_dir: str, work, requests: list[dict], *args: str) -> tuple[dict, dict]:
-    replayed = run_update_requests(model_dir, work, "replayed", requests, *QUANT, *args, params_each=False)
-    loaders = run_update_requests(model_dir, work, "loaders", requests, *QUANT, *args, params_each=False,
-                                  no_replay=True)
+    replayed = run_update_requests(model_dir, work, "replayed", requests, *QUANT, *args)
+    loaders = run_update_requests(model_dir, work, "loaders", requests, *QUANT, *args, no_replay=True)
     for out in (replayed, loaders):
         assert all(ok for ok, _ in out["answers"]), out["answers"]
         assert out["ptrs_before"] == out["ptrs_after"]
+    for step, (got, want) in enumerate(zip(replayed["params_after"], loaders["params_after"])):
+        assert got.keys() == want.keys(), step
+        assert_same_params(got, want)  # after every request, not only at the end
     return replayed, loaders
 
 
@@ -46,11 +48,12 @@ def replayed_counts(log: str) -> list[int]:
     return [int(n) for n in re.findall(r"replayed without load_weights: (\d+)", log)]
 
 
-def dense_requests(w1: dict) -> list[dict]:
+def dense_requests(w1: dict, prequantized_w2: dict) -> list[dict]:
     parts = split_randomly(w1, 3, seed=1)
     return [{"kind": "tensor", "tensors": parts[0]},
             {"kind": "tensor", "tensors": [(n, t.float()) for n, t in parts[1]]},  # FP32 from a trainer
-            {"kind": "bucket", "bucket": bucket(parts[2])}]
+            {"kind": "bucket", "bucket": bucket(parts[2])},
+            {"kind": "tensor", "tensors": list(prequantized_w2.items())}]  # codes + scales, BF16 elsewhere
 
 
 @pytest.mark.parametrize("dims, args", [
@@ -60,27 +63,18 @@ def dense_requests(w1: dict) -> list[dict]:
 ], ids=["block", "fallback", "bf16-layer"])
 def test_dense_replayed_writes_equal_the_model_loaders(tmp_path, dims, args):
     write_checkpoint(str(tmp_path / "w0"), dims, seed=60)
-    replayed, loaders = both_ways(str(tmp_path / "w0"), tmp_path, dense_requests(random_state_dict(dims, seed=61)),
-                                  *args)
-    assert_same_params(replayed["final_params"], loaders["final_params"])
+    requests = dense_requests(random_state_dict(dims, seed=61), prequantized(random_state_dict(dims, seed=62)))
+    replayed, loaders = both_ways(str(tmp_path / "w0"), tmp_path, requests, *args)
     linears = 7 * dims["num_hidden_layers"] - (1 if args else 0)  # the ignored o_proj is a BF16 layer
-    assert sum(replayed_counts(replayed["_log"])) == linears
+    counts = replayed_counts(replayed["_log"])
+    assert sum(counts[:3]) == linears and counts[3] == linears
     assert sum(replayed_counts(loaders["_log"])) == 0
-
-
-def test_prequantized_replayed_writes_equal_the_model_loaders(tmp_path):
-    write_checkpoint(str(tmp_path / "w0"), TINY, seed=62)
-    payload = prequantized(random_state_dict(TINY, seed=63))
-    replayed, loaders = both_ways(str(tmp_path / "w0"), tmp_path, [{"tensors": list(payload.items())}])
-    assert_same_params(replayed["final_params"], loaders["final_params"])
-    assert replayed_counts(replayed["_log"]) == [7 * TINY["num_hidden_layers"]]
 
 
 @pytest.mark.parametrize("dims", [TINY_MOE, TINY_MOE_FALLBACK], ids=["block", "fallback"])
 def test_moe_replayed_writes_equal_the_model_loaders(tmp_path, dims):
     write_moe_checkpoint(str(tmp_path / "w0"), dims, seed=64)
     w1 = random_moe_state_dict(dims, seed=65)
-    replayed, loaders = both_ways(str(tmp_path / "w0"), tmp_path, [{"tensors": list(w1.items())}])
-    assert_same_params(replayed["final_params"], loaders["final_params"])
+    replayed, _ = both_ways(str(tmp_path / "w0"), tmp_path, [{"tensors": list(w1.items())}])
     experts = 3 * dims["num_experts"] * dims["num_hidden_layers"]
     assert replayed_counts(replayed["_log"]) == [experts + 4 * dims["num_hidden_layers"]]  # + q, k, v, o
