@@ -2,8 +2,8 @@
 load_weights (grouped quantizer launches on CUDA), give the same bytes as the model's own loaders.
 
 Each case runs the same requests twice through SGLang's real WeightUpdater on CPU, once as shipped and once with
-every tensor through load_weights, and compares every parameter byte for byte after every request; dense (block, per-channel fallback,
-BF16 layers), MoE, pre-quantized payloads, FP32 and flattened buckets.
+every tensor through load_weights, and compares every parameter byte for byte after every request: dense (block,
+per-channel fallback, BF16 layers), MoE, pre-quantized payloads, FP32 and flattened buckets.
 """
 
 from __future__ import annotations
