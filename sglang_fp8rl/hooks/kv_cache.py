@@ -3,10 +3,10 @@ capture, calibrated after capture, and recalibrated after every complete weight 
 
 * ``ModelRunner.load_model`` (via :mod:`.model_runner`): resolve the mode, choose the calibration batch.
 * ``ModelRunner.init_attention_backends``: on a backend where recalibration was verified (Triton, FlashInfer;
-  torch-native on CPU), scale tensors on every attention layer, and the decode fold (kv_scales/decode_fold.py) where the backend
-  passes Python-float scales to its decode kernels, before any graph is captured. Elsewhere ``auto`` falls back to
-  static scales and an explicit ``calibrate`` is refused at start. The scales in force then are the ones every
-  calibration runs under.
+  torch-native on CPU), scale tensors on every attention layer, and the decode fold (kv_scales/decode_fold.py)
+  where the backend passes Python-float scales to its decode kernels, before any graph is captured. Elsewhere
+  ``auto`` falls back to static scales and an explicit ``calibrate`` is refused at start. The scales in force then
+  are the ones every calibration runs under.
 * ``ModelRunner.init_cuda_graphs``: the load-time calibration (the pools are still empty).
 * ``MHATokenToKVPool.set_kv_buffer``: K/V saturated at +-448 after the division by their scales (an overflowing E4M3
   cast gives NaN on CUDA); with ``--fp8rl-kv-write fused`` (the default), on CUDA, one kernel per layer does the
