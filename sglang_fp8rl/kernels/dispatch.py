@@ -205,8 +205,6 @@ def quantize_blockwise_many(
             quantize_blockwise_into(w, q_out, scale_inv_out, block_size, scale_format, nonfinite_flag)
             launches += 1
             continue
-        quant._check_out(scale_inv_out, quant.blockwise_scale_shape(tuple(w.shape), block_size), torch.float32,
-                         "scale_inv_out")
         groups.setdefault((q_out.device, w.dtype), []).append((w, q_out, scale_inv_out))
     for (device, _), group in groups.items():
         _check_flag(nonfinite_flag, device)

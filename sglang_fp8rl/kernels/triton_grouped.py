@@ -62,9 +62,10 @@ def _grouped_blockwise_kernel(
         return
     bn = pid // n_col_blocks
     bk = pid - bn * n_col_blocks
+    w_row_stride, q_row_stride = tl.load(entry + 5), tl.load(entry + 6)  # int64: tile origins
     # the host guarantees 16-byte aligned rows and that offsets inside a tile fit 32 bits
-    w_stride = tl.multiple_of(tl.load(entry + 5).to(tl.int32), 16)
-    q_stride = tl.multiple_of(tl.load(entry + 6).to(tl.int32), 16)
+    w_stride = tl.multiple_of(w_row_stride.to(tl.int32), 16)
+    q_stride = tl.multiple_of(q_row_stride.to(tl.int32), 16)
     # typed pointers from the table's addresses, cast here in the kernel's body: the alignment hint holds only on a
     # pointer (one given to the integer is lost in the cast), and not on one returned by a helper function
     if IN_KIND == 0:
@@ -85,10 +86,10 @@ def _grouped_blockwise_kernel(
     r = tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_K)
     mask = _tile_mask(r, c, BLOCK_N, BLOCK_K, False, False)
-    w_tile = w_ptr + row0 * tl.load(entry + 5) + col0
+    w_tile = w_ptr + row0 * w_row_stride + col0
     x = _load_bf16(w_tile + (r[:, None] * w_stride + c[None, :]), mask, IN_KIND != 0)
     y, scale, finite = _quantize_block(x, FP8_MAX, AMAX_FLOOR_BITS, POW2)
-    q_tile = q_ptr + row0 * tl.load(entry + 6) + col0
+    q_tile = q_ptr + row0 * q_row_stride + col0
     _store_codes(q_tile + (r[:, None] * q_stride + c[None, :]), y, mask & finite)
     tl.store(s_ptr + bn * tl.load(entry + 7) + bk, scale, mask=finite)
     if USE_FLAG:

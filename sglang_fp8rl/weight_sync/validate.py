@@ -164,11 +164,6 @@ class DryRunRecord:
     replayable: bool = True
 
     @property
-    def fp8_layers(self) -> list[str]:
-        """The FP8 layers the tensor reached."""
-        return [write.prefix for write in self.fp8_writes]
-
-    @property
     def consumed(self) -> bool:
         """Whether the tensor reached any parameter."""
         return bool(self.fp8_writes) or self.plain_params > 0
@@ -228,7 +223,7 @@ def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunTarget]:
 
     def make_checker(param: torch.nn.Parameter, real: Callable) -> Callable:
         def checker(p: torch.nn.Parameter, loaded: torch.Tensor, *args, **kwargs) -> None:
-            # our FP8 parameters carry a side-effect-free twin of their loader; it returns the layer's prefix
+            # our FP8 parameters carry a side-effect-free twin of their loader; it returns where the loader would write
             check = p.__dict__.get(CHECK_ATTR)
             if check is not None:
                 target.record.fp8_writes.append(check(p, loaded, *args, **kwargs))
