@@ -692,7 +692,7 @@ def _plot_primary(args, prompts, bf16, fp8, title):
     try:
         plot({"kl_cont": kl_cont, "kl_prompt": kl_prompt, "kl_by_pos": kl_by_pos, "title": title},
              os.path.join(args.out, "accuracy.png"))
-    except (ImportError, OSError, ValueError, RuntimeError) as e:  # the numbers matter more than the picture
+    except (ImportError, OSError, ValueError, RuntimeError, AttributeError) as e:  # the numbers matter more
         say(f"plot failed: {e!r}")
 
 

@@ -565,7 +565,7 @@ def write_outputs(results: dict, out: str) -> None:
         f.write(text + "\n")
     try:
         why = plot_curves(results, os.path.join(out, "rl_curves.png"))
-    except (ValueError, RuntimeError, OSError) as e:  # the numbers matter more than the picture
+    except (ValueError, RuntimeError, OSError, AttributeError) as e:  # the numbers matter more than the picture
         why = f"plotting failed: {e!r}"
     if why:
         say(f"no rl_curves.png: {why}")
