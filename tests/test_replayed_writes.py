@@ -66,8 +66,9 @@ def test_dense_replayed_writes_equal_the_model_loaders(tmp_path, dims, args):
     requests = dense_requests(random_state_dict(dims, seed=61), prequantized(random_state_dict(dims, seed=62)))
     replayed, loaders = both_ways(str(tmp_path / "w0"), tmp_path, requests, *args)
     linears = 7 * dims["num_hidden_layers"] - (1 if args else 0)  # the ignored o_proj is a BF16 layer
+    norms = 4 * dims["num_hidden_layers"] + 1  # input / post-attention, q / k norms, final norm: copied
     counts = replayed_counts(replayed["_log"])
-    assert sum(counts[:3]) == linears and counts[3] == linears
+    assert sum(counts[:3]) == linears + norms and counts[3] == linears + norms
     assert sum(replayed_counts(loaders["_log"])) == 0
 
 
@@ -77,4 +78,5 @@ def test_moe_replayed_writes_equal_the_model_loaders(tmp_path, dims):
     w1 = random_moe_state_dict(dims, seed=65)
     replayed, _ = both_ways(str(tmp_path / "w0"), tmp_path, [{"tensors": list(w1.items())}])
     experts = 3 * dims["num_experts"] * dims["num_hidden_layers"]
-    assert replayed_counts(replayed["_log"]) == [experts + 4 * dims["num_hidden_layers"]]  # + q, k, v, o
+    norms = 4 * dims["num_hidden_layers"] + 1
+    assert replayed_counts(replayed["_log"]) == [experts + 4 * dims["num_hidden_layers"] + norms]  # + q, k, v, o

@@ -7,7 +7,10 @@ the model's ``load_weights``, then splits the request in two:
   whose ``load_weights`` only routes each tensor to its parameter's loader (:data:`ROUTING_ONLY_MODELS`). Its writes
   (:class:`~sglang_fp8rl.layers.fp8_storage.IncomingWrite`, the loader's placement) are replayed directly, so a
   bucket's blockwise quantizations go in a few grouped launches instead of one Python dispatch each;
-* **through the model**: everything else (norms, embeddings, per-model routing) goes through ``load_weights``.
+* **copied**: in such a model, a tensor whose dry run reached only plain parameters through SGLang's default loader
+  (norms), copied whole: the copies of a request go in one multi-tensor copy;
+* **through the model**: everything else (embeddings, lm_head, sharded loaders, other models) goes through
+  ``load_weights``.
 
 Both give the same bytes; the split only decides how many host calls the write takes.
 """
@@ -44,6 +47,7 @@ class Validated:
 
     to_load: list[tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)  # through load_weights
     replayed: list[tuple[str, torch.Tensor, tuple[IncomingWrite, ...]]] = dataclasses.field(default_factory=list)
+    copied: list[tuple[str, torch.Tensor, tuple[torch.nn.Parameter, ...]]] = dataclasses.field(default_factory=list)
     names: list[str] = dataclasses.field(default_factory=list)  # of the tensors to write
     ignored: list[str] = dataclasses.field(default_factory=list)
     fp8_layers: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -51,7 +55,7 @@ class Validated:
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor to write, by name."""
-        return {**dict(self.to_load), **{name: tensor for name, tensor, _ in self.replayed}}
+        return {**dict(self.to_load), **{name: tensor for name, tensor, _ in self.replayed + self.copied}}
 
     def incoming_writes(self) -> Iterator[tuple[IncomingWrite, torch.Tensor]]:
         """The replayed writes, each with its tensor."""
@@ -59,10 +63,22 @@ class Validated:
             for write in writes:
                 yield write, tensor
 
+    def plain_copies(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """The replayed copies into plain parameters, each with its tensor."""
+        for _, tensor, params in self.copied:
+            for param in params:
+                yield param, tensor
+
 
 def replays_writes(model: torch.nn.Module) -> bool:
     """Whether this model's FP8 writes may skip its load_weights (see :data:`ROUTING_ONLY_MODELS`)."""
     return type(model).__name__ in ROUTING_ONLY_MODELS
+
+
+def copies_whole(record: DryRunRecord, tensor: torch.Tensor) -> bool:
+    """Whether the tensor reached only plain parameters, each through SGLang's default loader copying it whole."""
+    return (not record.fp8_writes and not is_prequantized(tensor)
+            and 0 < record.plain_params == len(record.plain_copies))
 
 
 def for_plain_params(name: str, tensor: torch.Tensor, record: DryRunRecord) -> torch.Tensor:
@@ -94,6 +110,8 @@ def validate_request(model: torch.nn.Module, load_weights: Callable, named_tenso
         result.plain_params += record.plain_params
         if replay and record.replayable and not record.plain_params:
             result.replayed.append((name, tensor, tuple(record.fp8_writes)))
+        elif replay and copies_whole(record, tensor):
+            result.copied.append((name, tensor, tuple(record.plain_copies)))
         else:
             result.to_load.append((name, for_plain_params(name, tensor, record)))
         result.names.append(name)

@@ -67,7 +67,7 @@ class UpdateStats:
         for scheme, n in validated.fp8_layers.items():
             self.fp8_layers_written[scheme] = self.fp8_layers_written.get(scheme, 0) + n
         self.bf16_params_written += validated.plain_params
-        self.replayed_tensors += len(validated.replayed)
+        self.replayed_tensors += len(validated.replayed) + len(validated.copied)
 
     def summary(self) -> str:
         """The one log line of an update."""
@@ -158,12 +158,22 @@ def apply_validated(model: torch.nn.Module, load_weights: Callable, validated: V
     _STATE.writes += 1
     with prevalidated_writes(device) as flag:
         write_planned(list(validated.incoming_writes()))
+        copy_plain(list(validated.plain_copies()))
         if validated.to_load:
             load_weights(list(validated.to_load))
     if flag is not None:
         check_nonfinite_flag(flag, validated.named_tensors())  # cannot trip after validation; defence in depth
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def copy_plain(copies: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    """SGLang's default loader on each pair (``param.data.copy_(tensor)``), as one multi-tensor copy per device."""
+    by_device: dict[torch.device, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
+    for param, tensor in copies:
+        by_device.setdefault(param.device, []).append((param, tensor))
+    for pairs in by_device.values():
+        torch._foreach_copy_([param.data for param, _ in pairs], [tensor for _, tensor in pairs])
 
 
 @contextlib.contextmanager

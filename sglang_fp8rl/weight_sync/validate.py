@@ -12,8 +12,11 @@ it is remembered per request signature. Every failure raises :class:`UpdateRejec
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
+import os
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -33,6 +36,7 @@ WIRE_DTYPES = ACCEPTED_DTYPES + (FP8_DTYPE,)  # what may travel: FP8 E4M3 codes 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # what SGLang's loaders raise on a tensor they do not take (asserts included)
 DRY_RUN_ERRORS = (ValueError, AssertionError, KeyError, RuntimeError, IndexError, TypeError, AttributeError)
+HOST_CHECK_THREADS = min(8, os.cpu_count() or 1)  # threads checking host tensors (see _host_finite_in_bf16)
 DRY_RUN_CACHE_SIZE = 256  # request signatures remembered per model (an 8B model in 512 MB buckets uses ~33)
 
 
@@ -79,9 +83,15 @@ def check_tensors(named_tensors: NamedTensors) -> None:
 
 
 def all_finite_in_bf16(tensors: Sequence[torch.Tensor]) -> bool:
-    """Conservative: True only if every tensor is finite in BF16. The L1 norm propagates NaN and Inf (a max-based
-    reduction may drop NaN), and an FP32 value past BF16's range makes it Inf in BF16 too; it can also overflow for
-    huge finite tensors, which the exact check then clears."""
+    """Conservative: True only if every tensor is finite in BF16 (the exact per-tensor check names the culprit)."""
+    on_host = [t for t in tensors if t.device.type == "cpu"]
+    return _host_finite_in_bf16(on_host) and _device_finite_in_bf16([t for t in tensors if t.device.type != "cpu"])
+
+
+def _device_finite_in_bf16(tensors: Sequence[torch.Tensor]) -> bool:
+    """One multi-tensor L1 norm per (device, dtype): the L1 norm propagates NaN and Inf (a max-based reduction may
+    drop NaN), and an FP32 value past BF16's range makes it Inf in BF16 too; it can also overflow for huge finite
+    tensors, which the exact check then clears."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for tensor in tensors:
         groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
@@ -89,6 +99,20 @@ def all_finite_in_bf16(tensors: Sequence[torch.Tensor]) -> bool:
     for (device, _), group in groups.items():
         norms.setdefault(device, []).append(torch.stack(torch._foreach_norm(group, 1)).float())
     return all(extremes_finite_in_bf16(torch.cat(parts)) for parts in norms.values())
+
+
+def _host_finite_in_bf16(tensors: Sequence[torch.Tensor]) -> bool:
+    """Host tensors (a checkpoint read from disk): min and max of each, in a small thread pool. SGLang runs a GPU
+    worker with one intra-op thread, where an L1 norm reads BF16 at ~2 GB/s and aminmax (read-only, NaN propagates
+    into both ends) at ~15 GB/s; the pool's threads run ATen kernels without the GIL."""
+    if not tensors:
+        return True
+    return extremes_finite_in_bf16(torch.cat(list(_host_pool().map(extremes, tensors))))
+
+
+@functools.lru_cache(maxsize=1)
+def _host_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(HOST_CHECK_THREADS, thread_name_prefix="fp8rl-check")
 
 
 def request_bytes(named_tensors: Sequence[tuple[Any, Any]]) -> int:
@@ -159,6 +183,9 @@ class DryRunRecord:
 
     fp8_writes: list[IncomingWrite] = dataclasses.field(default_factory=list)
     plain_params: int = 0
+    # plain parameters whose loader is SGLang's default one copying the request's own tensor whole (norms): the
+    # write is ``param.data.copy_(tensor)``, replayable as such
+    plain_copies: list[torch.nn.Parameter] = dataclasses.field(default_factory=list)
     # every FP8 loader call received the request's own tensor (not a view or copy the model made): its writes can
     # be replayed on the next request's tensor of the same name
     replayable: bool = True
@@ -233,6 +260,9 @@ def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunTarget]:
             check_plain_shape(owner, param_name, p, loaded, _shard_id(args, kwargs))
             _load_into_scratch(real, p, loaded, *args, **kwargs)
             target.record.plain_params += 1
+            if real is default_weight_loader and not args and not kwargs and loaded is target.tensor \
+                    and p.size() == loaded.size():
+                target.record.plain_copies.append(p)
 
         return checker
 
