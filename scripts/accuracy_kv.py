@@ -253,6 +253,10 @@ def format_arms_table(table: dict, diffs: dict, meta: dict) -> str:
                          f"{_fmt(r.get('task_exact_match_fp8'), '{:.4f}')} / "
                          f"{_fmt(r.get('task_exact_match_bf16'), '{:.4f}')} | "
                          f"{_fmt(r.get('greedy_identical_fraction'), '{:.4f}')} | {r.get('kl_nonfinite', 0)} |")
+    lines.append("- KL, top-1 and the engine token_mult_prob_error score BF16 rollouts in one prefill (radix cache "
+                 "off), whose attention reads the request's fresh K/V, not the FP8 cache: they show the weights' error "
+                 "only. The FP8 KV cache shows in the columns that decode through it: token_mult_prob_error of the "
+                 "arm's own rollout vs HF BF16, task EM and greedy identical.")
     for line in verdicts(table, diffs):
         lines.append(f"- {line}")
     for name, kv in (meta.get("kv_scales") or {}).items():
