@@ -1,7 +1,7 @@
 """A whole update request, validated: what it writes, and how.
 
 :func:`validate_request` runs the checks of :mod:`sglang_fp8rl.weight_sync.validate` and the (remembered) dry run of
-the model's ``load_weights``, then splits the request in two:
+the model's ``load_weights``, then splits the request three ways:
 
 * **replayed**: a tensor whose dry run reached only our FP8 layers, with the request's own tensor object, in a model
   whose ``load_weights`` only routes each tensor to its parameter's loader (:data:`ROUTING_ONLY_MODELS`). Its writes
@@ -12,7 +12,7 @@ the model's ``load_weights``, then splits the request in two:
 * **through the model**: everything else (embeddings, lm_head, sharded loaders, other models) goes through
   ``load_weights``.
 
-Both give the same bytes; the split only decides how many host calls the write takes.
+Each way gives the same bytes; the split only decides how many host calls the write takes.
 """
 
 from __future__ import annotations

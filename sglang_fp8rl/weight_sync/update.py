@@ -168,10 +168,11 @@ def apply_validated(model: torch.nn.Module, load_weights: Callable, validated: V
 
 
 def copy_plain(copies: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
-    """SGLang's default loader on each pair (``param.data.copy_(tensor)``), as one multi-tensor copy per device."""
-    by_device: dict[torch.device, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
+    """SGLang's default loader on each pair (``param.data.copy_(tensor)``), as one multi-tensor copy per pair of
+    devices (the fast multi-tensor path needs one device)."""
+    by_device: dict[tuple[torch.device, torch.device], list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
     for param, tensor in copies:
-        by_device.setdefault(param.device, []).append((param, tensor))
+        by_device.setdefault((param.device, tensor.device), []).append((param, tensor))
     for pairs in by_device.values():
         torch._foreach_copy_([param.data for param, _ in pairs], [tensor for _, tensor in pairs])
 
