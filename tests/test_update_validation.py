@@ -12,11 +12,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 
+from sglang_fp8rl.layers.fp8_storage import copy_pairs
 from sglang_fp8rl.weight_sync import request as R
-from sglang_fp8rl.weight_sync import update as W
 from sglang_fp8rl.weight_sync import validate as U
 
 
@@ -170,8 +169,9 @@ def test_fast_finiteness_check_never_passes_a_bad_tensor(specs, seed):
         assert not U._device_finite_in_bf16(tensors)  # the device path's L1 norm (runs on CPU too): conservative
 
 
-def test_copy_plain_writes_what_the_default_loader_writes():
-    """The copied norms: one multi-tensor copy per device pair == SGLang's default loader, dtype casts included."""
+def test_copied_norms_get_what_the_default_loader_writes():
+    """The copied norms (copy_pairs into param.data, as apply_validated does) == SGLang's default loader, dtype
+    casts included."""
     def params() -> list[torch.nn.Parameter]:
         return [torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16), requires_grad=False),
                 torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False),
@@ -179,7 +179,7 @@ def test_copy_plain_writes_what_the_default_loader_writes():
     tensors = [torch.randn(5), torch.randn(2, 3, dtype=torch.bfloat16), torch.randn(6, dtype=torch.float16)[::2]]
     copied, loaded = params(), params()
     storage = [p.data.data_ptr() for p in copied]
-    W.copy_plain(list(zip(copied, tensors)))
+    copy_pairs([(param.data, tensor) for param, tensor in zip(copied, tensors)])
     for param, tensor in zip(loaded, tensors):
         default_weight_loader(param, tensor)
     for got, want in zip(copied, loaded):

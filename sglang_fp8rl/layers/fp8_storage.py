@@ -183,11 +183,6 @@ class IncomingWrite:
     src_cols: Optional[slice] = None
     dst_rows: Optional[slice] = None
 
-    @property
-    def prefix(self) -> str:
-        """The layer's module name."""
-        return self.state.prefix
-
 
 def write_planned(writes: Sequence[tuple[IncomingWrite, torch.Tensor]]) -> None:
     """Write many incoming tensors at their planned places, with the results of :func:`write_incoming` on each, in
@@ -208,10 +203,18 @@ def write_planned(writes: Sequence[tuple[IncomingWrite, torch.Tensor]]) -> None:
             rows = scale_rows(target.dst_rows, state.block_size[0], weight.shape[0])
             item = (loaded[target.src_rows, target.src_cols], weight[target.dst_rows], scale[rows])
             quantize.setdefault((state.block_size, state.scale_format), []).append(item)
-    if copies:
-        torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
+    copy_pairs(copies)
     for (block_size, scale_format), items in quantize.items():
         quantize_blockwise_many(items, _flag_for(items[0][1].device), block_size, scale_format)
+
+
+def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for each pair, as one multi-tensor copy per pair of devices (the fast path needs one)."""
+    by_devices: dict[tuple[torch.device, torch.device], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for dst, src in pairs:
+        by_devices.setdefault((dst.device, src.device), []).append((dst, src))
+    for group in by_devices.values():
+        torch._foreach_copy_([dst for dst, _ in group], [src for _, src in group])
 
 
 def dummy_bf16(shape: tuple[int, ...], device: torch.device, key: str) -> torch.Tensor:

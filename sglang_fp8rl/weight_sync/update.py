@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from sglang_fp8rl.kernels.dispatch import check_nonfinite_flag
-from sglang_fp8rl.layers.fp8_storage import layer_state, prevalidated_writes, write_planned
+from sglang_fp8rl.layers.fp8_storage import copy_pairs, layer_state, prevalidated_writes, write_planned
 from sglang_fp8rl.weight_sync.fp8_payload import attach_scales, pair_stream
 from sglang_fp8rl.weight_sync.request import Validated, validate_request
 from sglang_fp8rl.weight_sync.validate import NamedTensors, UpdateRejected, request_bytes
@@ -158,23 +158,13 @@ def apply_validated(model: torch.nn.Module, load_weights: Callable, validated: V
     _STATE.writes += 1
     with prevalidated_writes(device) as flag:
         write_planned(list(validated.incoming_writes()))
-        copy_plain(list(validated.plain_copies()))
+        copy_pairs([(param.data, tensor) for param, tensor in validated.plain_copies()])  # SGLang's default loader
         if validated.to_load:
             load_weights(list(validated.to_load))
     if flag is not None:
         check_nonfinite_flag(flag, validated.named_tensors())  # cannot trip after validation; defence in depth
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def copy_plain(copies: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
-    """SGLang's default loader on each pair (``param.data.copy_(tensor)``), as one multi-tensor copy per pair of
-    devices (the fast multi-tensor path needs one device)."""
-    by_device: dict[tuple[torch.device, torch.device], list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
-    for param, tensor in copies:
-        by_device.setdefault((param.device, tensor.device), []).append((param, tensor))
-    for pairs in by_device.values():
-        torch._foreach_copy_([param.data for param, _ in pairs], [tensor for _, tensor in pairs])
 
 
 @contextlib.contextmanager
