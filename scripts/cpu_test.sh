@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# The one test command (README, .ci/run): build the pinned CPU env in .venv if needed, then run pytest.
-# The env is real SGLang 0.5.17 installed --no-deps on the local CPU torch 2.13.0 wheel, plus the small pinned
-# dependencies in requirements/ci-constraints.txt. Nothing here may pull a CUDA torch: every install is --no-deps.
+# The one test command (README, .ci/run): build the pinned CPU env if needed, then run pytest.
+# The env is real SGLang installed --no-deps on the local CPU torch 2.13.0 wheel, plus the small pinned
+# dependencies in requirements/sglang-<version>.txt. Nothing here may pull a CUDA torch: every install is --no-deps.
+# SGLANG_VERSION picks the release (default: the primary one, sglang_fp8rl/compat/versions.py); its env is .venv for
+# the primary release and .venv-<version> for the others.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-venv=.venv
-pins=requirements/ci-constraints.txt
+primary=$(sed -n 's/^SUPPORTED_SGLANG[^(]*("\([^"]*\)".*/\1/p' sglang_fp8rl/compat/versions.py)
+version=${SGLANG_VERSION:-$primary}
+pins=requirements/sglang-$version.txt
+[ -f "$pins" ] || { echo "[cpu_test] no pin file $pins: SGLang $version is not in the tested matrix" >&2; exit 2; }
+if [ "$version" = "$primary" ]; then venv=.venv; else venv=.venv-$version; fi
 stamp="$venv/.fp8rl-env-$(sha256sum "$pins" pyproject.toml | sha256sum | cut -c1-16)"
 
 if [ ! -f "$stamp" ]; then
@@ -26,7 +31,7 @@ assert torch.version.cuda is None, f"a CUDA torch got into the CPU env: {torch._
 PY
   rm -f "$venv"/.fp8rl-env-*
   touch "$stamp"
-  echo "[cpu_test] environment built in $(( $(date +%s) - t0 )) s"
+  echo "[cpu_test] SGLang $version environment built in $(( $(date +%s) - t0 )) s"
 fi
 
 # pytest exits 5 when no test ran; that must fail CI, and it does because of set -e.

@@ -8,35 +8,11 @@ exceptions, so a failure here also logs an ERROR line that names this package an
 from __future__ import annotations
 
 import logging
-from importlib.metadata import PackageNotFoundError, version
 
+from sglang_fp8rl.compat.versions import PRIMARY_SGLANG, SUPPORTED_SGLANG, check_sglang_version
 from sglang_fp8rl.server_args import QUANTIZATION_NAME
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_SGLANG = ((0, 5, 17), (0, 6, 0))  # [min, max)
-
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
-def check_sglang_version(installed: str | None = None) -> str:
-    """Return the installed SGLang version; raise RuntimeError if this package does not support it."""
-    if installed is None:
-        try:
-            installed = version("sglang")
-        except PackageNotFoundError as e:
-            raise RuntimeError("SGLang is not installed") from e
-    low, high = SUPPORTED_SGLANG
-    if not low <= _version_tuple(installed) < high:
-        supported = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
-        raise RuntimeError(f"SGLang {installed} is not supported (sglang-fp8rl needs sglang{supported})")
-    return installed
 
 
 def _add_quantization_choice() -> None:
@@ -55,9 +31,9 @@ def _add_quantization_method() -> None:
 
 
 def _register() -> None:
+    check_sglang_version()  # first: an unsupported SGLang must fail here, not at an internal import below
     from sglang_fp8rl.hooks import install_hooks
 
-    check_sglang_version()
     _add_quantization_choice()
     _add_quantization_method()
     install_hooks()
@@ -70,9 +46,11 @@ def register() -> None:
     except (ImportError, AttributeError, RuntimeError, TypeError, ValueError) as e:
         logger.error(
             "sglang-fp8rl: registering --quantization %s FAILED: %s. The server will not accept that flag. "
-            "Fix: install sglang-fp8rl into an environment with sglang>=0.5.17,<0.6 "
-            "(pip install sglang-fp8rl), or unset SGLANG_PLUGINS if it excludes 'fp8_online_blockwise'.",
+            "Fix: install a supported SGLang (%s; pip install 'sglang==%s'), "
+            "or unset SGLANG_PLUGINS if it excludes 'fp8_online_blockwise'.",
             QUANTIZATION_NAME,
             e,
+            ", ".join(SUPPORTED_SGLANG),
+            PRIMARY_SGLANG,
         )
         raise

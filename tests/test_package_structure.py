@@ -16,6 +16,7 @@ KERNEL_FILES = {"sglang_fp8rl.kernels.triton_quant", "sglang_fp8rl.kernels.block
 # Layers, lowest first: a module may import from its own layer or a lower one, never from a higher one
 # (docs/ARCHITECTURE.md). The first matching prefix wins.
 LAYERS: list[tuple[str, int]] = [
+    ("sglang_fp8rl.compat", 0),  # SGLang version differences: imports SGLang, nothing of ours
     ("sglang_fp8rl.quant", 0),
     ("sglang_fp8rl.rollout_correction", 0),
     ("sglang_fp8rl.kernels", 1),

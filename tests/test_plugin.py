@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import logging
 import os
 from importlib.metadata import entry_points
@@ -11,6 +12,7 @@ import pytest
 from sgl_model import TINY, write_checkpoint
 
 from sglang_fp8rl import plugin
+from sglang_fp8rl.compat.versions import SUPPORTED_SGLANG, check_sglang_version
 from sglang_fp8rl.server_args import DEEPGEMM_PRECOMPILE_ENV, ENV_VAR, Fp8rlOptions, get_options
 
 
@@ -115,15 +117,30 @@ def test_options_appear_in_help(plugins_loaded):
     assert "fp8_online_blockwise" in text
 
 
-@pytest.mark.parametrize("version,ok", [("0.5.17", True), ("0.5.23", True), ("0.5.16", False), ("0.6.0", False),
-                                        ("0.4.9.post1", False)])
+@pytest.mark.parametrize("version,ok", [(SUPPORTED_SGLANG[0], True), (SUPPORTED_SGLANG[-1] + "+cu130", True),
+                                        ("0.5.11", False), ("0.6.0", False), ("0.4.9.post1", False)])
 def test_version_gate(version, ok):
-    """Only sglang>=0.5.17,<0.6 is accepted, with a message that says which versions are."""
+    """Only the supported releases are accepted, with a message that names the installed and the supported ones."""
     if ok:
-        assert plugin.check_sglang_version(version) == version
+        assert check_sglang_version(version) == version
     else:
-        with pytest.raises(RuntimeError, match=r"not supported \(sglang-fp8rl needs sglang>=0\.5\.17,<0\.6\.0\)"):
-            plugin.check_sglang_version(version)
+        with pytest.raises(RuntimeError, match=rf"SGLang {re.escape(version)} is not supported.*supported: "
+                                               rf"{re.escape(', '.join(SUPPORTED_SGLANG))}"):
+            check_sglang_version(version)
+
+
+def test_unsupported_version_fails_before_any_hook_import(monkeypatch):
+    """The version check runs before the hooks (and SGLang's internals) are imported."""
+    import sys
+
+    def unsupported(installed=None):
+        raise RuntimeError("SGLang 0.7.0 is not supported")
+
+    monkeypatch.setattr(plugin, "check_sglang_version", unsupported)
+    monkeypatch.delitem(sys.modules, "sglang_fp8rl.hooks", raising=False)
+    monkeypatch.setitem(sys.modules, "sglang_fp8rl.hooks", None)  # importing it now would raise ImportError
+    with pytest.raises(RuntimeError, match="0.7.0 is not supported"):
+        plugin.register()
 
 
 def test_failed_registration_logs_an_error_with_the_fix(monkeypatch, caplog):

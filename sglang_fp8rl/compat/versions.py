@@ -1,0 +1,29 @@
+"""Which SGLang releases this package supports; checked before any SGLang internal is imported."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+# Exactly the releases CI tests (requirements/sglang-<version>.txt); pyproject.toml admits exactly these
+# (tests/test_version_matrix.py). The first is the primary one: the full suite runs on it.
+SUPPORTED_SGLANG: tuple[str, ...] = ("0.5.17",)
+PRIMARY_SGLANG = SUPPORTED_SGLANG[0]
+
+
+def installed_sglang() -> str:
+    """The installed SGLang version string; RuntimeError if SGLang is not installed."""
+    try:
+        return version("sglang")
+    except PackageNotFoundError as e:
+        raise RuntimeError("SGLang is not installed") from e
+
+
+def check_sglang_version(installed: str | None = None) -> str:
+    """Return the installed SGLang version; RuntimeError naming it and the supported ones if it is not supported."""
+    installed = installed_sglang() if installed is None else installed
+    if installed.split("+")[0] not in SUPPORTED_SGLANG:
+        raise RuntimeError(
+            f"SGLang {installed} is not supported by sglang-fp8rl; supported: {', '.join(SUPPORTED_SGLANG)} "
+            f"(pip install 'sglang=={PRIMARY_SGLANG}')"
+        )
+    return installed
