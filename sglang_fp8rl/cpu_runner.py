@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import enum
 import importlib.machinery
+import importlib.util
 import sys
 import types
 from collections.abc import Sequence
 from typing import Any
+
+from sglang_fp8rl.compat.runtime import load_bench_model, one_batch, prefill_request
 
 # ModelRunner on CPU: torch-native attention, a small KV pool, no CUDA graphs
 CPU_SERVER_ARGS = ("--device", "cpu", "--dtype", "bfloat16", "--mem-fraction-static", "0.05", "--max-total-tokens",
@@ -64,6 +67,22 @@ def _torchvision_imports() -> bool:
     return True
 
 
+def _stub_kvcacheio() -> None:
+    """SGLang 0.5.12-0.5.14 import ``sgl_kernel.kvcacheio`` (host KV offload copies, a CUDA-only package) at module
+    level on every non-NPU/XPU/MPS device, so on CPU the scheduler module does not import. The stand-in's functions
+    raise if called; a CPU engine never offloads KV to host memory."""
+    if importlib.util.find_spec("sgl_kernel") is not None or "sgl_kernel" in sys.modules:
+        return
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if Version(version("sglang")) >= Version("0.5.15"):  # later releases guard the import themselves
+        return
+    _stub_module("sgl_kernel")
+    _stub_module("sgl_kernel.kvcacheio", _FnModule, is_pkg=False)
+
+
 def install_cpu_stubs() -> None:
     """Let SGLang import without a working torchvision (idempotent; a working torchvision wins).
 
@@ -72,6 +91,7 @@ def install_cpu_stubs() -> None:
     matching torchvision on PyPI (its wheels are CUDA builds that need libtorch_cuda.so), so without this a text model
     cannot even be imported there. transformers then sees torchvision as available, which it must: its
     AutoImageProcessor refuses to work otherwise, and SGLang registers image processors at import time."""
+    _stub_kvcacheio()
     if "torchvision" in sys.modules or _torchvision_imports():
         return
 
@@ -114,22 +134,18 @@ def build_runner(model_dir: str, server_args: Sequence[str] = (), tp_rank: int =
     import sglang.srt.layers.rotary_embedding.base as rope_base
 
     rope_base._is_cpu = True  # else RotaryEmbedding imports vllm's op on a platform SGLang does not know
-    from sglang.benchmark.one_batch import load_model
     from sglang.srt.entrypoints.engine import _set_envs_and_config
     from sglang.srt.server_args import PortArgs, prepare_server_args
 
     args = prepare_server_args(["--model-path", model_dir, *CPU_SERVER_ARGS, *server_args])
     _set_envs_and_config(args)
-    bench_runner, _ = load_model(args, PortArgs.init_new(args), tp_rank, tp_rank)
+    bench_runner, _ = load_bench_model(args, PortArgs.init_new(args), tp_rank)
     return bench_runner
 
 
 def greedy_generate(bench_runner: Any, ids: Sequence[int], max_new_tokens: int) -> list[int]:
     """Greedy tokens after ``ids``: one prefill, then one decode step per token (fresh KV pool)."""
-    from sglang.benchmark.one_batch import decode, extend
-
-    from sglang_fp8rl.kv_scales.calibrate import prefill_request
-
+    extend, decode = one_batch().extend, one_batch().decode
     bench_runner.clear()
     next_ids, _, batch = extend([prefill_request(0, ids, max_new_tokens)], bench_runner.torch_runner)
     out = [int(next_ids[0])]

@@ -27,6 +27,7 @@ from sglang_fp8rl.demo_common import (
     work_dir,
     write_checkpoint,
 )
+from sglang_fp8rl.compat.updates import updater_of
 from sglang_fp8rl.server_args import QUANTIZATION_NAME
 
 SUMMARY_MARK = "linear layers"  # in the one [fp8rl] scheme-summary line of a load
@@ -82,7 +83,7 @@ def run_cpu(args: argparse.Namespace) -> int:
             w1 = list(random_state_dict(DEMO_DIMS, seed=SEED_AFTER).items())
             say(f"pushing W1 ({len(w1)} BF16 tensors) through SGLang's WeightUpdater.update_weights_from_tensor")
             t = time.perf_counter()
-            ok, message = runner.torch_runner.weight_updater.update_weights_from_tensor(w1)
+            ok, message = updater_of(runner.torch_runner).update_weights_from_tensor(w1)
             push_s = time.perf_counter() - t
             after = greedy_generate(runner, PROMPT, NEW_TOKENS)
             state_after = telemetry(model)

@@ -25,6 +25,7 @@ ENV_VAR = "FP8RL_OPTIONS"
 KV_SCALE_OPTIONS = ("auto", "static", "calibrate")  # auto: calibrate with an FP8 E4M3 KV cache (kv_scales/)
 KV_WRITE_OPTIONS = ("sglang", "fused")  # how calibrated K/V reach the cache (hooks/kv_cache.py)
 QUANTIZATION_NAME = "fp8_online_blockwise"
+FP8_DECODE_GRAPH_MAX_BS = 512  # decode CUDA-graph capture with this method (hooks/server_args.py says why)
 _PARSER_MARK = "_fp8rl_options_added"
 
 

@@ -1,5 +1,5 @@
 """A stand-in engine for the client's distributed transport: an HTTP server in its own process that joins the update
-group as rank 1 (gloo), receives every broadcast it is told about, and answers like SGLang's endpoints.
+group as rank 1 (gloo), receives every broadcast it is told about, and answers like the endpoints of an SGLang without weight-update sessions (404 on /begin_weight_update).
 
 Usage: python tests/fake_engine.py PORT. A request whose first name starts with "reject" is received and then
 answered with HTTP 400 (what the real server does for a refused update)."""
@@ -51,6 +51,15 @@ class Handler(BaseHTTPRequestHandler):
                 self.answer(400, {"success": False, "message": f"{body['names'][0]}: refused by the engine"})
             else:
                 self.answer(200, {"success": True, "message": f"sums {received}"})
+        elif self.path == "/update_weights_from_tensor":  # the step-complete marker of an engine without sessions
+            STATE.setdefault("received", []).append(["tensor request"])
+            self.answer(200, {"success": True, "message": "marker"})
+        else:
+            self.answer(404, {"success": False, "message": self.path})
+
+    def do_GET(self) -> None:
+        if self.path == "/get_server_info":
+            self.answer(200, {"tp_size": 1, "received": STATE.get("received", [])})
         else:
             self.answer(404, {"success": False, "message": self.path})
 

@@ -208,10 +208,13 @@ DISTRIBUTED = {
     "nan": ("reject", ("NaN/Inf",)),
     "unknown_name": ("reject", ("not a parameter",)),
     "wrong_shape": ("reject", ("shape",)),
-    "bad_dtype": ("reject", ("dtype",)),
+    "bad_dtype": ("reject", ("dtype", "out of step")),  # cannot be sized: nothing received, the group is out of step
+    "int32": ("reject", ("dtype", "received and dropped")),  # received in full first, so the group stays in step
+    "float64": ("reject", ("dtype", "received and dropped")),
     "unknown_group": ("reject", ("group",)),
     "length_mismatch": ("reject", ("same length",)),
-    "direct_format": ("reject", ("direct",)),
+    "direct_format": ("reject", ("direct", "received and dropped")),
+    "good_again": ("apply", ()),  # after every refusal above, the same group still carries a good update exactly
 }
 
 
@@ -376,8 +379,10 @@ def distributed_plan(kind: str, w1: dict[str, torch.Tensor]) -> tuple[dict, Opti
         kwargs["shapes"] = kwargs["shapes"][:-1]
         return kwargs, None
     if kind == "direct_format":
-        kwargs["load_format"] = "direct"
-        return kwargs, None
+        kwargs["load_format"] = "direct"  # the trainer broadcasts tensor by tensor; the engine receives, then refuses
+    if kind in ("int32", "float64"):
+        named[-1] = (named[-1][0], named[-1][1].to(getattr(torch, kind)))
+        kwargs["dtypes"][-1] = kind
     if kind == "good_bucket":
         return kwargs, [flattened(named)["flattened_tensor"]]
     return kwargs, [t.contiguous() for _, t in named]

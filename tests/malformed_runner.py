@@ -26,6 +26,7 @@ from malformed_cases import (
 )
 
 from sglang_fp8rl import quant
+from sglang_fp8rl.compat.updates import update_from_distributed, updater_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VICTIM_LAYER = VICTIM.rsplit(".", 1)[0]
@@ -96,13 +97,13 @@ def call(updater: Any, case: Case, w1: dict, extra: dict, work: str) -> tuple[An
         path = write_disk_case(kind, os.path.join(work, case.id), extra["model_dir"], w1)
         return updater.update_weights_from_disk(path, "auto"), {"path": path}
     kwargs, _ = distributed_plan(case.defect.split(":")[1], w1)
-    return updater.update_weights_from_distributed(**kwargs), None
+    return update_from_distributed(updater, **kwargs), None
 
 
 def run_all(runner: Any, extra: dict) -> dict:
     """Every case, in order; returns {case id: record}."""
     model = runner.torch_runner.model
-    updater = runner.torch_runner.weight_updater
+    updater = updater_of(runner.torch_runner)
     w0 = torch.load(extra["w0"], weights_only=False)
     w1 = torch.load(extra["w1"], weights_only=False)
     cases = all_cases()

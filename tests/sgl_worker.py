@@ -13,7 +13,8 @@ import os
 import sys
 
 from sglang_fp8rl.cpu_runner import build_runner, install_cpu_stubs
-from sglang_fp8rl.kv_scales.calibrate import prefill_request
+from sglang_fp8rl.compat.runtime import one_batch, prefill_request
+from sglang_fp8rl.compat.updates import updater_of
 
 install_cpu_stubs()
 
@@ -24,8 +25,7 @@ PROMPTS = [[5, 17, 33, 2, 99, 120, 7], [250, 3, 3, 64, 11]]
 
 def logits_for(bench_runner, prompts=PROMPTS) -> list[torch.Tensor]:
     """Last-position logits of each prompt (one prefill each, fresh KV pool)."""
-    from sglang.benchmark.one_batch import extend
-
+    extend = one_batch().extend
     out = []
     for rid, ids in enumerate(prompts):
         bench_runner.clear()
@@ -60,7 +60,7 @@ def scenario_load(runner, extra: dict) -> dict:
 
 
 def _updater(runner):
-    return runner.torch_runner.weight_updater
+    return updater_of(runner.torch_runner)
 
 
 def scenario_updates(runner, extra: dict) -> dict:
@@ -279,7 +279,7 @@ def scenario_kv(runner, extra: dict) -> dict:
     from sglang_fp8rl.kv_scales.layers import attention_layers, read_scales, tensors_match_floats
 
     mr = runner.torch_runner
-    model, updater = mr.model, mr.weight_updater
+    model, updater = mr.model, updater_of(mr)
     layers = attention_layers(model)
     out = {"mode": kv_state().mode, "batch": kv_state().batch_source, "load": kv_scale_record().as_dict(),
            "ptrs": [layer.k_scale.data_ptr() for layer in layers] if kv_state().calibrating else []}
@@ -304,6 +304,99 @@ def scenario_kv(runner, extra: dict) -> dict:
     return out
 
 
+def session_manager(mr) -> "Any":
+    """SGLang's own SchedulerWeightUpdaterManager (0.5.21+) over this ModelRunner, as the scheduler builds it (the
+    parts a CPU process has: no draft model, no memory saver, an idle engine whose cache flush succeeds)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+    from sglang.srt.managers.tp_worker import TpModelWorker
+
+    worker = SimpleNamespace(model_runner=mr, weight_update_runners=lambda: [("target", mr)])
+    worker.deserialize_own_rank = lambda payloads: TpModelWorker.deserialize_own_rank(worker, payloads)
+    scheduler = SimpleNamespace(record_weight_version_change=lambda new_version=None: None)
+    return SchedulerWeightUpdaterManager(tp_worker=worker, draft_worker=None, memory_saver_adapter=None,
+                                         flush_cache=lambda **_: True, is_fully_idle=lambda **_: True,
+                                         scheduler=scheduler)
+
+
+class SessionEngine:
+    """An in-process stand-in for ``sglang.Engine`` over SGLang's real session manager: the calls our client makes."""
+
+    def __init__(self, manager) -> None:
+        self.manager = manager
+
+    def begin_weight_update(self):
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
+
+        out = self.manager.begin_weight_update(BeginWeightUpdateReqInput())
+        return out.success, out.message
+
+    def end_weight_update(self):
+        from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
+
+        out = self.manager.end_weight_update(EndWeightUpdateReqInput())
+        return out.success, out.message
+
+    def update_weights_from_tensor(self, named, load_format=None, flush_cache=True):
+        import base64
+
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        from sglang_fp8rl.weight_sync.client import serialize_for_ranks
+
+        payload = [base64.b64decode(p) for p in serialize_for_ranks(named, 1)]
+        out = self.manager.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=payload, load_format=load_format, flush_cache=flush_cache))
+        return out.success, out.message
+
+
+def scenario_sessions(runner, extra: dict) -> dict:
+    """SGLang 0.5.21+'s weight-update sessions through its real SchedulerWeightUpdaterManager: a bare update refused
+    by SGLang; a trainer driving begin/update/end itself; our client's push_state_dict (which opens and closes the
+    session, also around a refused bucket); FP8 bytes and pointers across end_weight_update's re-run of
+    process_weights_after_loading; the KV recalibration at the session's end."""
+    from sglang_fp8rl.kv_scales.calibrate import kv_scale_record
+    from sglang_fp8rl.kv_scales.engine import kv_state
+    from sglang_fp8rl.weight_sync.client import WeightPushError, push_state_dict
+    from sglang_fp8rl.weight_sync.step import current_step
+
+    mr = runner.torch_runner
+    model = mr.model
+    engine = SessionEngine(session_manager(mr))
+    w1 = torch.load(extra["w1"], weights_only=False)
+    w0 = torch.load(extra["w0"], weights_only=False)
+    out = {"bare": engine.update_weights_from_tensor(list(w1.items()))}
+    calibrations = kv_scale_record().as_dict()["writes"] if kv_state().calibrating else None
+    out["begin"] = engine.begin_weight_update()
+    out["update"] = engine.update_weights_from_tensor(list(w1.items()))
+    before_end, ptrs_before_end = snapshot(model), pointers(model)
+    out["end"] = engine.end_weight_update()
+    out["end_changed"] = sorted(differing_names(before_end, snapshot(model)))
+    out["end_moved"] = ptrs_before_end != pointers(model)
+    out["params_w1"] = snapshot(model)
+    out["step"] = current_step().describe()
+    out["calibrations"] = (calibrations, kv_scale_record().as_dict()["writes"]
+                           if kv_state().calibrating else None)
+    out["client"] = push_state_dict(engine, w0, bucket_bytes=1 << 16)
+    out["params_w0"] = snapshot(model)
+    bad = dict(w1)
+    bad[next(reversed(bad))] = torch.full_like(bad[next(reversed(bad))], float("nan"))
+    try:
+        push_state_dict(engine, bad, bucket_bytes=1 << 16)
+        out["refused"] = None
+    except WeightPushError as e:
+        out["refused"] = str(e)
+    out["session_open_after_refusal"] = engine.manager._session is not None
+    out["params_after_refusal"] = snapshot(model)
+    return out
+
+
+def differing_names(a: dict, b: dict) -> list[str]:
+    """Names whose bytes differ between two snapshots."""
+    return [name for name in a if not torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8))]
+
+
 def scenario_malformed(runner, extra: dict) -> dict:
     """The malformed-request suite (tests/malformed_cases.py), every case in this one process."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -314,7 +407,8 @@ def scenario_malformed(runner, extra: dict) -> dict:
 
 SCENARIOS = {"client": scenario_client, "load": scenario_load, "updates": scenario_updates, "leak": scenario_leak,
              "device_failure": scenario_device_failure, "malformed": scenario_malformed,
-             "tp_fault": scenario_tp_fault, "atomic": scenario_atomic, "kv": scenario_kv}
+             "tp_fault": scenario_tp_fault, "atomic": scenario_atomic, "kv": scenario_kv,
+             "sessions": scenario_sessions}
 
 
 def main() -> None:

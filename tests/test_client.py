@@ -152,6 +152,11 @@ def test_distributed_push_end_to_end_with_an_engine_rejection(fake_engine):
     weights = {"a": torch.ones(4, dtype=torch.bfloat16), "b": torch.full((2, 3), 2.0)}
     answers = push_distributed(fake_engine, weights, group, group_name="fp8rl_client", bucket_bytes=8, timeout=60)
     assert [a["message"] for a in answers] == ["sums [4.0]", "sums [12.0]"]
+    # no sessions on this engine: the step ends with a marker request after the last bucket (KV recalibration)
+    import requests
+
+    received = requests.get(fake_engine + "/get_server_info", timeout=10).json()["received"]
+    assert received[-3:] == [[4.0], [12.0], ["tensor request"]]
     with pytest.raises(WeightPushError, match="reject.me: refused by the engine"):
         push_distributed(fake_engine, {"reject.me": torch.ones(2)}, group, group_name="fp8rl_client", timeout=60)
 

@@ -101,3 +101,58 @@ def test_many_refuses_a_nan_like_one_by_one() -> None:
     with pytest.raises(ValueError, match="NaN"):
         dispatch.quantize_blockwise_many([(w, q, s)], None)
     assert not bool(q.view(torch.uint8).any()) and not bool(s.any())
+
+
+class _RecordingKernel:
+    """Stands in for the grouped kernel: records each launch's grid and the input addresses of its table."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[tuple[int, int], list[int]]] = []
+
+    def __getitem__(self, grid):
+        def launch(table, flag, **constexprs):
+            self.launches.append((grid, table[:, 0].tolist()))
+        return launch
+
+
+def test_grouped_launch_splits_past_the_grid_y_limit(monkeypatch) -> None:
+    """Grid y is the tensor index, at most 65,535 on CUDA: a bigger group goes in chunks, in order, none empty."""
+    from sglang_fp8rl.kernels import triton_grouped as tg
+
+    assert tg.MAX_TENSORS_PER_LAUNCH == 2**16 - 1
+    kernel = _RecordingKernel()
+    monkeypatch.setattr(tg, "_grouped_blockwise_kernel", kernel)
+    distinct = [_item(128, 128) for _ in range(3)]
+    items = [distinct[i % 3] for i in range(tg.MAX_TENSORS_PER_LAUNCH + 2)]
+    assert tg.quantize_blockwise_grouped_launch(items, (128, 128), False) == 2
+    assert [grid for grid, _ in kernel.launches] == [(1, tg.MAX_TENSORS_PER_LAUNCH), (1, 2)]
+    assert sum((ptrs for _, ptrs in kernel.launches), []) == [w.data_ptr() for w, _, _ in items]
+    kernel.launches.clear()
+    assert tg.quantize_blockwise_grouped_launch(items[:7], (128, 128), False, max_tensors=3) == 3
+    assert [grid[1] for grid, _ in kernel.launches] == [3, 3, 1]
+    with pytest.raises(ValueError, match="max_tensors"):
+        tg.quantize_blockwise_grouped_launch(items[:2], (128, 128), False, max_tensors=0)
+
+
+GROUPED_CHUNKS_INTERPRETER_CHECK = QUANTIZER_PREAMBLE + textwrap.dedent(
+    """
+    from sglang_fp8rl.kernels import triton_grouped as tg
+
+    # five tensors in chunks of two (three launches): each tensor's codes and scales as its own launch gives them
+    sources = [weight(128, 128 * (1 + i % 2), torch.bfloat16) for i in range(5)]
+    items = [(w, torch.full(w.shape, 7.0), torch.full((1, w.shape[1] // 128), float("nan"))) for w in sources]
+    assert tg.quantize_blockwise_grouped_launch(items, (128, 128), True, torch.zeros(1, dtype=torch.int32),
+                                                max_tensors=2) == 3
+    for w, y, s in items:
+        _, s_ref = quant.quantize_blockwise(w, (128, 128), "pow2")
+        assert torch.equal(s, s_ref), tuple(w.shape)
+        assert torch.equal(y, quotient(w, quant.expand_block_scale(s_ref, tuple(w.shape), (128, 128))))
+    print("grouped chunks ok")
+    """
+)
+
+
+def test_grouped_kernel_in_chunks_under_the_triton_interpreter() -> None:
+    result = run_under_interpreter(GROUPED_CHUNKS_INTERPRETER_CHECK)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "grouped chunks ok" in result.stdout

@@ -81,3 +81,47 @@ def test_calibration_batch_sources_and_limits(tmp_path):
     assert batch_within([[1, 2, 3, 4], [5, 6, 7, 8]], 6) == [[1, 2, 3], [5, 6, 7]]
     with pytest.raises(ValueError, match="too few"):
         batch_within([[1, 2], [3, 4], [5, 6]], 2)
+
+
+def test_a_tokenizer_that_gives_no_tokens_falls_back_to_random_ids(tmp_path, caplog):
+    """A model folder whose tokenizer turns the built-in text into no tokens: the seeded random batch, logged once
+    with the reason, instead of an error at start."""
+    import logging
+
+    from tokenizers import Regex, Tokenizer, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from sglang_fp8rl.kv_scales.engine import calibration_batch, random_token_ids
+
+    tok = Tokenizer(models.WordLevel(vocab={"<unk>": 0}, unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(Regex(r"[\s\S]"), "")  # every character removed: no tokens at all
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="sglang_fp8rl.kv_scales.engine"):
+        ids, source = calibration_batch("", str(tmp_path), vocab_size=320, context_len=4096)
+    assert ids == random_token_ids(320) and "random" in source and "no tokens" in source
+    logged = [r.getMessage() for r in caplog.records if "no tokens" in r.getMessage()]
+    assert len(logged) == 1 and str(tmp_path) in logged[0], logged
+
+
+@pytest.mark.parametrize("max_running", [1, 2])
+def test_calibration_fits_few_request_slots(model, max_running):
+    """--max-running-requests below the batch's 4 sequences: the batch is cut to the free request slots (fewer
+    sequences, each as before), so the server starts, calibrates, and recalibrates after a step."""
+    out = run_worker("kv", str(model / "w0"), str(model / f"kv_{max_running}.pt"), *QUANT, "--kv-cache-dtype",
+                     "fp8_e4m3", "--max-running-requests", str(max_running), extra={"state_dict": str(model / "w0.pt")})
+    assert out["mode"] == "calibrate" and out["load"]["writes"] == 1 and out["load"]["source"] == "calibration"
+    assert out["update"][0] and out["after_step"]["writes"] == 2, out["after_step"]
+    assert out["load"]["sequences"] == out["after_step"]["sequences"] == max_running  # at load and after the step
+
+
+def test_batch_within_free_request_slots():
+    """One sequence per free request slot, each unchanged (then cut alike to the free KV slots); none free: refused."""
+    from sglang_fp8rl.kv_scales.engine import batch_within
+
+    ids = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    assert batch_within(ids, 100, free_requests=2) == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert batch_within(ids, 100, free_requests=8) == ids
+    assert batch_within(ids, 3, free_requests=1) == [[1, 2, 3]]
+    assert batch_within(ids, 6, free_requests=2) == [[1, 2, 3], [5, 6, 7]]
+    with pytest.raises(ValueError, match="no request slot"):
+        batch_within(ids, 100, free_requests=0)

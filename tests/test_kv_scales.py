@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from sglang_fp8rl.compat.updates import updater_of  # noqa: E402
 from sglang_fp8rl.cpu_runner import install_cpu_stubs  # noqa: E402
 
 install_cpu_stubs()
@@ -583,8 +584,8 @@ QUANT = ("--quantization", "fp8_online_blockwise")
 CALIB_IDS = [[(7 * i + j) % 300 + 1 for j in range(40)] for i in range(3)]
 
 
-def run_scenario(scenario, model_dir, out, *server_args, tp_size=1):
-    """This file as a worker, one process per TP rank (gloo on CPU)."""
+def run_scenario(scenario, model_dir, out, *server_args, tp_size=1, timeout=600):
+    """This file as a worker, one process per TP rank (gloo on CPU); every rank is killed past ``timeout``."""
     env = dict(os.environ, SGLANG_CPU_OMP_THREADS_BIND="|".join(str(r % os.cpu_count()) for r in range(tp_size)))
     env.pop("FP8RL_OPTIONS", None)
     extra = list(server_args)
@@ -597,7 +598,12 @@ def run_scenario(scenario, model_dir, out, *server_args, tp_size=1):
              for rank in range(tp_size)]
     results = []
     for rank, proc in enumerate(procs):
-        log, _ = proc.communicate(timeout=600)
+        try:
+            log, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise AssertionError(f"rank {rank} of {scenario} still running after {timeout} s (a hung collective?)")
         assert proc.returncode == 0, f"rank {rank} of {scenario} failed:\n{log[-8000:]}"
         results.append(torch.load(f"{out}.{rank}.pt", weights_only=False))
     return results
@@ -645,6 +651,23 @@ def test_tp2_ranks_agree_and_match_tp1(tmp_path):
     assert torch.equal(r0["amax"][0], tp1["amax"][0])  # layer 0: the same K/V heads, the same blocks of FP8 weights
 
 
+@pytest.mark.slow
+def test_tp2_failed_calibration_forward_on_one_rank_fails_on_both(tmp_path):
+    """Rank 1's calibration forward runs out of memory: the ranks agree before the amax all-reduce, so neither waits
+    in it; both raise the same failure, naming rank 1, and keep their scales (the served ones, not the start-up
+    ones the forward runs under); a calibration after it works on both."""
+    from sgl_model import TINY, write_checkpoint
+
+    write_checkpoint(str(tmp_path / "w"), dict(TINY, num_key_value_heads=2), seed=4)
+    ranks = run_scenario("fault", str(tmp_path / "w"), str(tmp_path / "fault"), *QUANT, tp_size=2, timeout=240)
+    for out in ranks:
+        assert out["error"] is not None and "TP rank 1" in out["error"] and "out of memory" in out["error"], out
+        assert out["seconds"] < 60
+        assert out["after"] == out["served"] != out["under"]
+        assert out["again_ok"]
+    assert ranks[0]["error"] == ranks[1]["error"]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # worker side
 
@@ -677,7 +700,7 @@ def scenario_calibrate(runner):
 
     sd = load_file(os.path.join(mr.server_args.model_path, "model.safetensors"))
     name = "model.layers.0.self_attn.v_proj.weight"
-    ok, msg = mr.weight_updater.update_weights_from_tensor([(name, sd[name] * 8)])
+    ok, msg = updater_of(mr).update_weights_from_tensor([(name, sd[name] * 8)])
     assert ok, msg
     after = calibrate.recalibrate(mr, CALIB_IDS)
     return {"amax": amax, "cache_amax": cache_amax, "first_scales": first.scales, "first_tokens": first.tokens,
@@ -703,7 +726,35 @@ def scenario_amax(runner):
             "scales": cal.scales}
 
 
-SCENARIOS = {"calibrate": scenario_calibrate, "amax": scenario_amax}
+def scenario_fault(runner):
+    """Rank 1's calibration forward fails (out of memory); both ranks recalibrate, as the engine's hook does."""
+    import time
+
+    mr = runner.torch_runner
+    attached = layers.attach_scales(mr.model, mr.device)
+    served = {m.layer_id: (0.5, 0.25) for m in attached}
+    under = {m.layer_id: (1.0, 1.0) for m in attached}
+    layers.write_scales(attached, served)
+    group = mr.tp_group.device_group
+    real_forward = calibrate.calibration_forward
+    if mr.tp_group.rank_in_group == 1:
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("simulated: out of memory in the calibration forward")
+        calibrate.calibration_forward = out_of_memory
+    started, error = time.perf_counter(), None
+    try:
+        calibrate.recalibrate(mr, CALIB_IDS, group=group, under=under)
+    except (ValueError, RuntimeError) as e:  # the exceptions the engine's hook catches
+        error = str(e)
+    seconds = time.perf_counter() - started
+    after = layers.read_scales(attached)
+    calibrate.calibration_forward = real_forward
+    again = calibrate.recalibrate(mr, CALIB_IDS, group=group, under=under)
+    return {"error": error, "seconds": seconds, "served": served, "under": under, "after": after,
+            "again_ok": again.source == "calibration" and layers.read_scales(attached) == again.scales}
+
+
+SCENARIOS = {"calibrate": scenario_calibrate, "amax": scenario_amax, "fault": scenario_fault}
 
 
 def worker_main(argv):

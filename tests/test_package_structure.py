@@ -23,6 +23,8 @@ LAYERS: list[tuple[str, int]] = [
     ("sglang_fp8rl.server_args", 2),
     ("sglang_fp8rl.layers", 3),
     ("sglang_fp8rl.kv_scales", 3),
+    # TP verdicts over SGLang's CPU group, nothing of ours imported: the KV calibration agrees with it too
+    ("sglang_fp8rl.weight_sync.consensus", 3),
     ("sglang_fp8rl.weight_sync", 4),
     ("sglang_fp8rl.hooks", 5),
     ("sglang_fp8rl.plugin", 6),

@@ -171,3 +171,22 @@ def test_options_env_round_trip_and_validation(monkeypatch):
                          (dict(gemm_tune_budget_s=True), "--fp8rl-gemm-tune-budget-s must be")):
         with pytest.raises(ValueError, match=message):
             Fp8rlOptions(**bad)
+
+
+@pytest.mark.parametrize("user_limit,expected", [(None, 512), (128, 128)])
+def test_decode_graphs_fit_fp8_capacity(plugins_loaded, model_dir, user_limit, expected):
+    """With fp8_online_blockwise the decode graphs are captured up to 512 unless the command line says otherwise
+    (SGLang's own parser and ServerArgs resolution; the flag's name is the installed release's)."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_fp8rl.compat.runtime import decode_graph_limit_fields
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    field, _ = decode_graph_limit_fields(parser.parse_args(["--model-path", model_dir]))
+    extra = () if user_limit is None else ("--" + field.replace("_", "-"), str(user_limit))
+    args = parser.parse_args(["--model-path", model_dir, "--device", "cpu", "--quantization", "fp8_online_blockwise",
+                              *extra])
+    server_args = ServerArgs.from_cli_args(args)
+    field, _ = decode_graph_limit_fields(args)
+    assert getattr(server_args, field) == expected

@@ -197,7 +197,7 @@ def test_last_layers_count_comes_from_sglangs_config_loader(monkeypatch):
         return SimpleNamespace(text_config=None, num_hidden_layers=36)
 
     args = SimpleNamespace(model_path="Qwen/Qwen3-8B", trust_remote_code=False, revision="main")
-    monkeypatch.setattr(config, "get_global_server_args", lambda: args)
+    monkeypatch.setattr(config, "current_server_args", lambda: args)
     monkeypatch.setattr(config, "get_config", get_config)
     assert config.num_hidden_layers_of_served_model() == 36
     assert seen == {"model": "Qwen/Qwen3-8B", "trust_remote_code": False, "revision": "main"}

@@ -33,6 +33,11 @@
 #             disk; UPDATE_ARGS e.g. "--model qwen3-small" or "--skip-disk --repeats 3"  (~7-9 min: own call)
 #   rl        scripts/rl_regression.py: GRPO on the toy policy, BF16 vs FP8 vs FP8+TIS rollouts from the stock
 #             server, weights pushed every step; RL_ARGS e.g. "--arms bf16 fp8 fp8_tis fp8kv_tis"  (~6-9 min: own call)
+#   rl_rollout  scripts/bench_rl_rollout.py --scale short: an RL-shaped rollout (256 prompts x 512 random ids, lognormal
+#             outputs median 1000, cap 4096, temperature 1, ignore_eos, all submitted at once) through the stock server,
+#             bf16 then fp8, each its own server: makespan, p50/p90 completion, tok/s, KV pool, peak running, decode
+#             batches without CUDA graph, ratios vs bf16; RL_ROLLOUT_ARGS (RL_ARGS when unset), e.g. "--configs bf16
+#             fp8 fp8_kv" or "--scale full"                                             (~7-9 min: own call)
 # Expected times are estimates from shared/gpu/README.md's measurements (server import 24-34 s, bench_one_batch
 # 40-110 s per config), not measured with these scripts.
 #
@@ -53,7 +58,7 @@
 # stdout ends with the summary (stage table + each stage's own table).
 # Env: OUT, WORK, DEADLINE (s from start; 570), TESTS, T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
 #      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, KV_ARGS, KV_FI_ARGS, KV_ACC_ARGS, SERVER_ARGS, UPDATE_ARGS, GEMM_ARGS,
-#      STARTUP_ARGS, DEMO_ARGS, RL_ARGS (extra args per script), UPDATE_SCRIPT.
+#      STARTUP_ARGS, DEMO_ARGS, RL_ARGS, RL_ROLLOUT_ARGS (extra args per script), UPDATE_SCRIPT.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 T0=$(date +%s)
@@ -188,6 +193,9 @@ for st in "$@"; do
     rl)
       l=$(left); run_stage rl 240 580 $PY scripts/rl_regression.py --out "$WORK/rl" --max-seconds $(( l - 40 )) \
         ${RL_ARGS:-} ;;
+    rl_rollout)  # RL-shaped rollout through the stock server; RL_ROLLOUT_ARGS, or RL_ARGS when that is unset
+      l=$(left); run_stage rl_rollout 200 570 $PY scripts/bench_rl_rollout.py --out "$WORK/rl_rollout" \
+        --model-dir "$MODELS" --scale short --deadline-s $(( l - 25 )) ${RL_ROLLOUT_ARGS-${RL_ARGS:-}} ;;
     *) say "unknown stage $st"; record "$st" unknown 0 "" ;;
   esac
 done
@@ -214,6 +222,7 @@ SUM=$WORK/suite_summary_$STAMP.md
       update) [ -f "$WORK/update/summary.md" ] && { echo; echo "## update"; cat "$WORK/update/summary.md"; } ;;
       startup) [ -f "$WORK/startup/summary.md" ] && { echo; cat "$WORK/startup/summary.md"; } ;;
       rl) [ -f "$WORK/rl/summary.md" ] && { echo; cat "$WORK/rl/summary.md"; } ;;
+      rl_rollout) [ -f "$WORK/rl_rollout/summary.md" ] && { echo; cat "$WORK/rl_rollout/summary.md"; } ;;
       demo) [ -f "$LOGS/demo.log" ] && { echo; echo "## demo"; grep -E "^\[demo\] .*(healthy|FAILED)" "$LOGS/demo.log"
                 sed -n '/^== \(scheme summary\|server start-up\)/,$p' "$LOGS/demo.log" | cut -c1-250; } ;;
       gemm) [ -f "$LOGS/gemm.log" ] && { echo; echo "## gemm"; grep -E "^\||^copy" "$LOGS/gemm.log" | head -60; } ;;
@@ -228,7 +237,8 @@ for pair in rollout/results.json:rollout_results.json accuracy/accuracy.json:acc
             update/update_results.json:update_results.json startup/startup_results.json:startup_results.json \
             bench_gemm.json:bench_gemm.json rl/rl_results.json:rl_results.json rl/rl_curves.png:rl_curves.png \
             kv/results.json:kv_results.json kv_fi/results.json:kv_fi_results.json kv_acc/accuracy.json:kv_acc.json \
-            kvcheck/check_kv.json:check_kv.json; do
+            kvcheck/check_kv.json:check_kv.json rl_rollout/results.json:rl_rollout_results.json \
+            rl_rollout/completion.png:rl_rollout.png; do
   src=$WORK/${pair%%:*}
   if [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && [ "$NCOPY" -lt 6 ]; then  # $OUT returns at most 8 files
     cp "$src" "$OUT/${pair##*:}" && NCOPY=$(( NCOPY + 1 ))

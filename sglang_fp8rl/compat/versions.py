@@ -6,7 +6,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 # Exactly the releases CI tests (requirements/sglang-<version>.txt); pyproject.toml admits exactly these
 # (tests/test_version_matrix.py). The first is the primary one: the full suite runs on it.
-SUPPORTED_SGLANG: tuple[str, ...] = ("0.5.17",)
+SUPPORTED_SGLANG: tuple[str, ...] = ("0.5.17", "0.5.12", "0.5.15.post1", "0.5.21", "0.5.23")
 PRIMARY_SGLANG = SUPPORTED_SGLANG[0]
 
 

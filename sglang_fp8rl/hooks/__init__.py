@@ -4,8 +4,9 @@ One module per patched SGLang component:
 
 * :mod:`.server_args`: our options on SGLang's parser, unsupported setups refused at start;
 * :mod:`.model_runner`: after load, guard the model's updates and prepare its GEMMs;
-* :mod:`.weight_updater`: every update entry point;
+* :mod:`.weight_updater`: every update entry point; :mod:`.distributed`: the trainer's broadcast;
 * :mod:`.kv_cache`: FP8 KV-cache scales set up, made graph-safe, calibrated at load and after complete updates;
+* :mod:`.sessions`: SGLang's weight-update sessions (0.5.21+) as the step's begin and end;
 * :mod:`.scheduler`: telemetry, and refusal to serve while inconsistent;
 * :mod:`.tokenizer`: ``/health`` while inconsistent;
 * :mod:`.sglang_logs`: SGLang's "not fully optimized" warning, untrue for this method, filtered.
@@ -16,47 +17,64 @@ Every patch leaves models that do not use this package untouched.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
-from sglang_fp8rl.hooks import kv_cache, model_runner, scheduler, tokenizer, weight_updater
+from sglang_fp8rl.compat import runtime, updates
+from sglang_fp8rl.hooks import distributed, kv_cache, model_runner, scheduler, sessions, tokenizer, weight_updater
 from sglang_fp8rl.hooks.patching import patch
 from sglang_fp8rl.hooks.server_args import install_server_args_hooks
 from sglang_fp8rl.hooks.sglang_logs import install_log_filter
 
 logger = logging.getLogger(__name__)
 
-UPDATE_ENTRY_POINTS = {
-    "update_weights_from_tensor": weight_updater.wrap_update_from_tensor,
-    "update_weights_from_distributed": weight_updater.wrap_update_from_distributed,
-    "update_weights_from_disk": weight_updater.wrap_update_from_disk,
-    "update_weights_from_ipc": weight_updater.wrap_update_from_ipc,
-}
+
+def update_entry_points() -> dict[str, Callable]:
+    """The updater methods SGLang calls for each update, with our wrapper: distributed updates are one method up to
+    0.5.20 and a receive plus a load from 0.5.21 (:func:`sglang_fp8rl.compat.updates.splits_distributed_update`)."""
+    entry_points = {
+        "update_weights_from_tensor": weight_updater.wrap_update_from_tensor,
+        "update_weights_from_disk": weight_updater.wrap_update_from_disk,
+        "update_weights_from_ipc": weight_updater.wrap_update_from_ipc,
+    }
+    if updates.splits_distributed_update():
+        entry_points["receive_weights_from_distributed"] = distributed.wrap_receive_from_distributed
+        entry_points["load_weights_from_distributed"] = distributed.wrap_load_from_distributed
+    else:
+        entry_points["update_weights_from_distributed"] = distributed.wrap_update_from_distributed
+    return entry_points
 
 
 def install_hooks() -> None:
     """Install all engine patches (idempotent)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
     install_server_args_hooks()
     install_log_filter()
     patch(ModelRunner, "load_model", model_runner.wrap_load_model)
-    patch(ModelRunner, "init_attention_backends", kv_cache.wrap_init_attention_backends)
-    patch(ModelRunner, "init_cuda_graphs", kv_cache.wrap_init_cuda_graphs)
+    patch(ModelRunner, runtime.attention_backend_init(), kv_cache.wrap_init_attention_backends)
+    patch(ModelRunner, runtime.graph_capture_init(), kv_cache.wrap_init_cuda_graphs)
     patch(MHATokenToKVPool, "set_kv_buffer", kv_cache.wrap_set_kv_buffer)
-    for name, wrap in UPDATE_ENTRY_POINTS.items():
-        patch(WeightUpdater, name, wrap)
+    for name, wrap in update_entry_points().items():
+        patch(updates.updater_class(), name, wrap)
     try:
         from sglang.srt.managers.scheduler import Scheduler
-        from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
         from sglang.srt.managers.tokenizer_manager import TokenizerManager
         from sglang.srt.managers.tp_worker import TpModelWorker
     except ImportError as e:  # these modules need CUDA-only deps on some installs; the guards above still hold
         logger.warning("[fp8rl] scheduler/tokenizer patches unavailable (telemetry, refusal while inconsistent): %s", e)
         return
-    patch(TpModelWorker, "_deserialize_own_rank", weight_updater.wrap_deserialize_own_rank)
+    decode = updates.deserialize_method_name()
+    if decode is None:
+        patch(TpModelWorker, "update_weights_from_tensor", weight_updater.wrap_worker_update_from_tensor)
+    else:
+        patch(TpModelWorker, decode, weight_updater.wrap_deserialize_own_rank)
     for name in ("update_weights_from_tensor", "update_weights_from_disk", "update_weights_from_distributed"):
-        patch(SchedulerWeightUpdaterManager, name, kv_cache.wrap_scheduler_update)
+        patch(updates.scheduler_update_owner(), name, kv_cache.wrap_scheduler_update)
+    if updates.has_update_sessions():
+        patch(updates.scheduler_update_owner(), "begin_weight_update", sessions.wrap_begin)
+        patch(updates.scheduler_update_owner(), "end_weight_update", sessions.wrap_end)
+    patch(Scheduler, "on_idle", kv_cache.wrap_on_idle)
     patch(Scheduler, "get_internal_state", scheduler.wrap_internal_state)
     patch(Scheduler, "handle_generate_request", scheduler.wrap_generate)
     for name in tokenizer.UPDATE_METHODS:

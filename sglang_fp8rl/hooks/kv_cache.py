@@ -27,15 +27,15 @@ import torch
 from sglang_fp8rl.kv_scales import resolve_kv_scale_mode
 from sglang_fp8rl.kv_scales.calibrate import recalibrate
 from sglang_fp8rl.kv_scales.decode_fold import install_decode_fold, unverified_reason
-from sglang_fp8rl.kv_scales.engine import batch_within, calibration_batch, kv_state, set_up, take_due
-from sglang_fp8rl.kv_scales.layers import attach_scales, attention_layers, read_scales
+from sglang_fp8rl.kv_scales.engine import batch_within, calibration_batch, kv_state, mark_calibrated, set_up
+from sglang_fp8rl.kv_scales.layers import attach_scales, read_scales
 from sglang_fp8rl.kv_scales.numerics import saturating_scale_
 from sglang_fp8rl.server_args import get_options
+from sglang_fp8rl.compat import updates
 from sglang_fp8rl.weight_sync.consensus import Verdict, agree
 
 logger = logging.getLogger(__name__)
 
-RECALIBRATION_ERRORS = (ValueError, RuntimeError)  # non-finite K/V, too few KV slots: the old scales stay
 
 
 def set_up_kv_scales(runner: Any) -> None:
@@ -133,22 +133,27 @@ def ready_to_calibrate(manager: Any, runner: Any) -> Verdict:
 
 
 def recalibrate_if_due(manager: Any) -> None:
-    """After an update answered success: recalibrate when it completed a step and every rank is ready."""
-    runner = manager.tp_worker.model_runner
+    """Recalibrate when a step that needs new scales ended and every rank is ready (idle, cache flushed, enough free
+    KV slots). Otherwise the previous scales stay and the recalibration stays due: it is retried after the next
+    update answer and whenever the scheduler is idle (:func:`wrap_on_idle`). Never raises: this runs in SGLang's
+    scheduler loop."""
     state = kv_state()
-    if not state.calibrating or not take_due(len(attention_layers(runner.model))):
+    if not (state.calibrating and state.due):
         return
+    runner = manager.tp_worker.model_runner
     verdict = agree(ready_to_calibrate(manager, runner))
     if not verdict.ok:
         state.deferred += 1
-        logger.warning("[fp8rl] KV scales not recalibrated after this update (%s); the previous scales stay",
-                       verdict.message)
+        logger.warning("[fp8rl] KV scales not recalibrated yet (%s); the previous scales stay until the engine is "
+                       "idle", verdict.message)
         return
     try:
         calibrate_now(runner)
-    except RECALIBRATION_ERRORS as e:
+    except Exception as e:  # noqa: BLE001 - the boundary to SGLang's scheduler: nothing may escape
         state.deferred += 1
-        logger.warning("[fp8rl] KV recalibration failed, the previous scales stay: %s", e)
+        logger.warning("[fp8rl] KV recalibration failed, the previous scales stay: %s: %s", type(e).__name__, e)
+        return
+    mark_calibrated()
 
 
 def fused_write_reason(pool: Any, layer_index: int, k: Any, v: Any, k_scale: Any, v_scale: Any, loc: Any,
@@ -245,3 +250,15 @@ def wrap_scheduler_update(original: Callable) -> Callable:
         return output
 
     return update
+
+
+def wrap_on_idle(original: Callable) -> Callable:
+    """Scheduler.on_idle: SGLang's idle housekeeping, then a recalibration left due because requests were running
+    (every TP rank polls this in step; it costs one flag check when nothing is due)."""
+    def on_idle(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if kv_state().due and self.is_fully_idle():
+            recalibrate_if_due(updates.scheduler_update_manager(self))
+        return result
+
+    return on_idle

@@ -15,6 +15,7 @@ from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 from sglang_fp8rl.kv_scales.calibrate import kv_scale_record
 from sglang_fp8rl.kv_scales.engine import describe, kv_state
 from sglang_fp8rl.layers.config import scheme_report
+from sglang_fp8rl.weight_sync.step import current_step
 from sglang_fp8rl.weight_sync.update import engine_state, is_attached, last_update_stats
 
 
@@ -31,6 +32,7 @@ def telemetry(model: Optional[torch.nn.Module]) -> dict[str, Any]:
         "last_update": last_update_stats(),
         "schemes": report.as_dict() if report is not None else None,
         "kv_scales": describe(kv_state(), kv_scale_record().as_dict()),
+        "step": current_step().describe(),
     }
 
 

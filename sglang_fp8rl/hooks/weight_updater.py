@@ -19,13 +19,19 @@ from typing import Any, Callable, Optional
 import safetensors
 import torch
 from sglang.srt.configs.load_config import LoadConfig
-from sglang.srt.model_executor.model_runner_components import weight_updater as sgl_updater
 from sglang.srt.model_loader.loader import DefaultModelLoader, get_model_loader
 from sglang.srt.model_loader.utils import set_default_torch_dtype
 from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
-from sglang_fp8rl.kv_scales.engine import mark_due
+from sglang_fp8rl.compat.updates import (
+    assert_weight_cache_inactive,
+    derived_weight_cache_error,
+    decode_own_rank,
+    local_serialized_tensor_type,
+    unwrap_tensor,
+    updater_model,
+)
 from sglang_fp8rl.weight_sync import guard
 from sglang_fp8rl.weight_sync.fp8_payload import (
     CONTROL_PREFIX,
@@ -60,10 +66,10 @@ class UndecodablePayload(list):
 
 def check_sglang_preconditions(updater: Any, op: str) -> None:
     """SGLang's own refusals of online updates (weight cache, derived-weight caches), as rejections."""
-    error = sgl_updater._unsupported_derived_weight_cache_error()
+    error = derived_weight_cache_error(updater)
     if error is not None:
         raise UpdateRejected(error)
-    updater._assert_weight_cache_inactive(op)
+    assert_weight_cache_inactive(updater, op)
 
 
 def prepared_request(model: torch.nn.Module, named: NamedTensors, validate_only: bool = False) -> guard.Prepared:
@@ -77,14 +83,12 @@ def prepared_request(model: torch.nn.Module, named: NamedTensors, validate_only:
 
 
 def writer(model: torch.nn.Module) -> Callable[[guard.Prepared], None]:
-    """Write a prepared request through the model's own loaders, then its KV scales; a completed step makes a KV
-    recalibration due."""
+    """Write a prepared request through the model's own loaders, then its KV scales (the guard then ends the step if
+    the request completed it)."""
     def write(prepared: guard.Prepared) -> None:
         apply_validated(model, original_load_weights(model), prepared.validated)
         if prepared.kv_scales:
             write_kv_scales(model, prepared.kv_scales)
-        if prepared.step_complete:
-            mark_due()
 
     return write
 
@@ -169,12 +173,11 @@ def tensors_of_request(updater: Any, named_tensors: Any, load_format: Optional[s
     monkey_patch_torch_reductions()  # what SGLang does first: CUDA IPC handles unpickle through it
     if load_format == FLATTENED_BUCKET:
         return tensors_of_bucket(named_tensors)
-    device = torch.get_device_module(updater.device).current_device()
     named = []
     for name, tensor in check_pairs(named_tensors):
-        if not isinstance(tensor, (torch.Tensor, sgl_updater.LocalSerializedTensor)):
+        if not isinstance(tensor, (torch.Tensor, local_serialized_tensor_type())):
             raise UpdateRejected(f"{check_name(name)}: expected a torch.Tensor, got {type(tensor).__name__}")
-        named.append((name, sgl_updater._unwrap_tensor(tensor, tp_rank=updater.tp_rank, device=device)))
+        named.append((name, unwrap_tensor(updater, tensor)))
     return named
 
 
@@ -199,7 +202,7 @@ def wrap_update_from_tensor(original: Callable) -> Callable:
     """WeightUpdater.update_weights_from_tensor, guarded (validate-only requests are answered for any model, so
     the client's all-or-nothing steps work against BF16 engines too)."""
     def update_weights_from_tensor(self, named_tensors, load_format=None):
-        model = self.get_model()
+        model = updater_model(self)
         if not is_attached(model) and load_format != VALIDATE_ONLY:
             return original(self, stock_request(named_tensors, load_format), load_format)
 
@@ -215,75 +218,36 @@ def wrap_update_from_tensor(original: Callable) -> Callable:
     return update_weights_from_tensor
 
 
+def decoded_or_refused(decode: Callable[[], Any]) -> Any:
+    """This rank's decoded payload, or an :class:`UndecodablePayload` the guard rejects on every rank (unpickling
+    runs the payload's own code: anything may come out of it)."""
+    try:
+        return decode()
+    except Exception as e:  # noqa: BLE001 - unpickling runs arbitrary payload code; nothing may reach the scheduler
+        return UndecodablePayload(f"the update payload of this rank does not deserialize: {type(e).__name__}: {e}")
+
+
 def wrap_deserialize_own_rank(original: Callable) -> Callable:
-    """TpModelWorker._deserialize_own_rank: an undecodable payload becomes a rejection, not a crash."""
+    """TpModelWorker's per-rank payload decoding (0.5.17+): an undecodable payload becomes a rejection, not a
+    crash."""
     def deserialize(self, serialized_named_tensors):
-        try:
+        if not is_attached(self.model_runner.model):
             return original(self, serialized_named_tensors)
-        except Exception as e:  # noqa: BLE001 - unpickling runs arbitrary payload code; nothing may reach the scheduler
-            if not is_attached(self.model_runner.model):
-                raise
-            return UndecodablePayload(f"the update payload of this rank does not deserialize: {type(e).__name__}: {e}")
+        return decoded_or_refused(lambda: original(self, serialized_named_tensors))
 
     return deserialize
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# broadcast from a trainer (update_weights_from_distributed)
+def wrap_worker_update_from_tensor(original: Callable) -> Callable:
+    """TpModelWorker.update_weights_from_tensor where it decodes the payload inline (up to 0.5.15): the same call,
+    with an undecodable payload handed on as a rejection."""
+    def update_weights_from_tensor(self, recv_req):
+        if not is_attached(self.model_runner.model):
+            return original(self, recv_req)
+        named = decoded_or_refused(lambda: decode_own_rank(recv_req.serialized_named_tensors, self.tp_rank))
+        return self.model_runner.update_weights_from_tensor(named_tensors=named, load_format=recv_req.load_format)
 
-
-def check_distributed_metadata(names: Any, dtypes: Any, shapes: Any) -> list[tuple[str, torch.dtype, list[int]]]:
-    """(name, dtype, shape) per tensor to receive; every rank decides the same from the same metadata."""
-    if not all(isinstance(x, (list, tuple)) for x in (names, dtypes, shapes)) or not (
-            len(names) == len(dtypes) == len(shapes)) or not names:
-        raise UpdateRejected("names, dtypes and shapes must be non-empty lists of the same length")
-    out = []
-    for name, dtype, shape in zip(names, dtypes, shapes):
-        name = check_name(name)
-        resolved = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
-        if resolved not in WIRE_DTYPES:
-            raise UpdateRejected(f"{name}: dtype {dtype!r} is not accepted (send bf16, fp16 or fp32 weights)")
-        if not is_shape(shape):
-            raise UpdateRejected(f"{name}: shape {shape!r} is not a list of non-negative ints")
-        out.append((name, resolved, list(shape)))
-    return out
-
-
-def receive(updater: Any, metadata: list[tuple[str, torch.dtype, list[int]]], group_name: str,
-            bucketed: bool) -> list[tuple[str, torch.Tensor]]:
-    """Receive the trainer's broadcast (rank 0 of the update group) into fresh tensors, as SGLang does."""
-    group = updater._model_update_group[group_name]
-    named = [(name, torch.empty(shape, dtype=dtype, device=updater.device)) for name, dtype, shape in metadata]
-    if bucketed:
-        bucket = FlattenedTensorBucket(named_tensors=named)
-        torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
-        return bucket.reconstruct_tensors()
-    handles = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for _, t in named]
-    for handle in handles:
-        handle.wait()
-    return named
-
-
-def wrap_update_from_distributed(original: Callable) -> Callable:
-    """WeightUpdater.update_weights_from_distributed, guarded."""
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None):
-        model = self.get_model()
-        if not is_attached(model):
-            return original(self, names, dtypes, shapes, group_name, load_format)
-
-        def prepare() -> guard.Prepared:
-            check_sglang_preconditions(self, "update_weights_from_distributed")
-            if load_format not in TENSOR_FORMATS:
-                raise UpdateRejected(f"load_format={load_format!r} is not accepted; use one of {TENSOR_FORMATS}")
-            if group_name not in self._model_update_group:
-                raise UpdateRejected(f"update group {group_name!r} does not exist (known: "
-                                     f"{sorted(self._model_update_group)}); call init_weights_update_group first")
-            metadata = check_distributed_metadata(names, dtypes, shapes)
-            return prepared_request(model, receive(self, metadata, group_name, load_format == FLATTENED_BUCKET))
-
-        return guard.run(model, f"distributed/{load_format or 'list'}", prepare, writer(model))
-
-    return update_weights_from_distributed
+    return update_weights_from_tensor
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -315,20 +279,21 @@ def validate_checkpoint_on_disk(updater: Any, model_path: str, load_format: str,
     if not isinstance(loader, DefaultModelLoader):
         raise UpdateRejected(f"load_format={load_format!r} gives SGLang's {type(loader).__name__}; disk updates "
                              "support only its default loader")
-    model = updater.get_model()
+    model = updater_model(updater)
     with set_default_torch_dtype(model_config.dtype):
         weights = loader._get_weights_iterator(DefaultModelLoader.Source.init_new(model_config, model))
         if weight_name_filter is not None:
             weights = ((name, w) for name, w in weights if weight_name_filter(name))
         validated = validate_stream(model, original_load_weights(model), pair_stream(weights))
     logger.info("[fp8rl] disk checkpoint %s validated (%d tensors); loading", model_path, len(validated.names))
-    return guard.Prepared(validated, tensors=len(validated.names), full=weight_name_filter is None)
+    full = weight_name_filter is None
+    return guard.Prepared(validated, tensors=len(validated.names), full=full, step_complete=full)
 
 
 def wrap_update_from_disk(original: Callable) -> Callable:
     """WeightUpdater.update_weights_from_disk, guarded: a full validating pass, then SGLang's own loading pass."""
     def update_weights_from_disk(self, model_path, load_format, weight_name_filter=None, recapture_cuda_graph=False):
-        model = self.get_model()
+        model = updater_model(self)
         if not is_attached(model):
             return original(self, model_path, load_format, weight_name_filter, recapture_cuda_graph)
 
@@ -341,8 +306,6 @@ def wrap_update_from_disk(original: Callable) -> Callable:
                 ok, message = original(self, model_path, load_format, weight_name_filter, recapture_cuda_graph)
             if not ok:
                 raise RuntimeError(message)
-            if prepared.full:
-                mark_due()
 
         return guard.run(model, "disk", prepare, write, context=f"checkpoint {model_path!r}")
 
@@ -353,7 +316,7 @@ def wrap_update_from_ipc(original: Callable) -> Callable:
     """WeightUpdater.update_weights_from_ipc: checkpoint-engine drives ``load_weights`` itself; the model's guard
     validates each call rank-locally and the ranks agree on the outcome."""
     def update_weights_from_ipc(self, recv_req):
-        model = self.get_model()
+        model = updater_model(self)
         if not is_attached(model):
             return original(self, recv_req)
         return guard.run_unvalidated(model, "ipc", lambda: original(self, recv_req))

@@ -192,7 +192,8 @@ def quantize_blockwise_many(
     scale_format: ScaleFormat = "fp32",
 ) -> int:
     """:func:`quantize_blockwise_into` on each ``(w, q_out, scale_inv_out)``, same results bit for bit; the items the
-    grouped kernel takes (see :func:`grouped_reason`) go in one launch per input dtype. Returns the launches made.
+    grouped kernel takes (see :func:`grouped_reason`) go in one launch per input dtype (more where a dtype has more
+    tensors than one launch takes). Returns the launches made.
 
     Grouped only in the ``nonfinite_flag`` mode (a validated weight update): a grouped launch has no per-tensor
     pre-read; without a flag every item is written on its own."""
@@ -209,6 +210,6 @@ def quantize_blockwise_many(
     for (device, _), group in groups.items():
         _check_flag(nonfinite_flag, device)
         with _current_device_is(device):
-            _grouped_kernels().quantize_blockwise_grouped_launch(group, tuple(block_size), scale_format == "pow2",
-                                                                 nonfinite_flag)
-    return launches + len(groups)
+            launches += _grouped_kernels().quantize_blockwise_grouped_launch(
+                group, tuple(block_size), scale_format == "pow2", nonfinite_flag)
+    return launches

@@ -38,6 +38,8 @@ OUTPUT_KINDS = {FP8_DTYPE: 0, torch.float32: 1}  # float32: the unrounded quotie
 # what the kernel promises the compiler (tl.multiple_of), so that it reads and writes 16-byte vectors
 ALIGN_BYTES = 16  # of the input and codes addresses
 STRIDE_MULTIPLE = 16  # of their row strides, in elements
+# tensors per launch: grid y is the tensor index, and CUDA allows at most 2**16 - 1 there
+MAX_TENSORS_PER_LAUNCH = 65_535
 
 
 @triton.jit
@@ -136,11 +138,22 @@ def quantize_blockwise_grouped_launch(
     block_size: tuple[int, int],
     pow2: bool,
     flag: Optional[torch.Tensor] = None,
-) -> None:
-    """One launch over ``items`` (input, codes, scale), all of one input and one output dtype, each accepted by
-    :func:`cannot_group`. The caller keeps the inputs alive until the launch has run (stream order)."""
-    if not items:
-        return
+    max_tensors: int = MAX_TENSORS_PER_LAUNCH,
+) -> int:
+    """Launches over ``items`` (input, codes, scale), all of one input and one output dtype, each accepted by
+    :func:`cannot_group`, at most ``max_tensors`` per launch; returns the launches made. The caller keeps the inputs
+    alive until the launches have run (stream order)."""
+    if max_tensors < 1:
+        raise ValueError(f"max_tensors must be at least 1, got {max_tensors}")
+    # every chunk fits the grid, so no launch fails on its size after earlier chunks were written
+    for start in range(0, len(items), max_tensors):
+        _launch(items[start:start + max_tensors], block_size, pow2, flag)
+    return -(-len(items) // max_tensors)
+
+
+def _launch(items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block_size: tuple[int, int],
+            pow2: bool, flag: Optional[torch.Tensor]) -> None:
+    """One launch over at most MAX_TENSORS_PER_LAUNCH items (grid y: one program column per tensor)."""
     w0, q0, s0 = items[0]
     bn, bk = block_size
     table = torch.tensor([_table_row(*item) for item in items], dtype=torch.int64).to(w0.device)

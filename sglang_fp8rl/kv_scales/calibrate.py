@@ -1,7 +1,7 @@
 """Recalibration on the engine: one prefill of a fixed token batch through SGLang's ModelRunner, K/V amax observed
 at the attention backend, per-layer scales written in place.
 
-The forward is SGLang's own benchmark path (``sglang.benchmark.one_batch.extend``: a ``ScheduleBatch`` over the live
+The forward is SGLang's own benchmark path (``one_batch.extend``, :func:`sglang_fp8rl.compat.runtime.one_batch`: a ``ScheduleBatch`` over the live
 pools with a stand-in prefix cache, ``ForwardBatch.init_new``, ``ModelRunner.forward``), the one the CPU tests and
 ``bench_one_batch`` already drive. Its KV slots come from the live allocator and are given back afterwards, so the
 caller must hold the scheduler idle with the prefix cache flushed (after a weight update SGLang flushes it anyway):
@@ -15,15 +15,16 @@ import json
 import logging
 import threading
 import time
-from array import array
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 
+from sglang_fp8rl.compat.runtime import allocated_kv_len, one_batch, prefill_request, req_pool_index
 from sglang_fp8rl.kv_scales.layers import attention_layers, layer_labels, read_scales, write_scales
 from sglang_fp8rl.kv_scales.numerics import ScalePolicy, scales_from_amax
 from sglang_fp8rl.kv_scales.observer import KVAmaxObserver, observing
+from sglang_fp8rl.weight_sync.consensus import Verdict, agree
 
 logger = logging.getLogger(__name__)
 
@@ -95,31 +96,17 @@ def _release(model_runner: Any, reqs: Sequence[Any]) -> None:
     """Give the requests' KV slots and request slots back (only what the allocation actually handed out)."""
     pool, allocator = model_runner.req_to_token_pool, model_runner.token_to_kv_pool_allocator
     for req in reqs:
-        if req.req_pool_idx is None:
+        row = req_pool_index(req)
+        if row is None:
             continue
-        if getattr(req, "kv", None) is not None:  # set by alloc_for_extend once the token slots are written
-            allocator.free(pool.req_to_token[req.req_pool_idx, :req.kv.kv_allocated_len])
-            req.kv = None
+        allocated = allocated_kv_len(req)
+        if allocated:  # set by the allocation once the token slots are written
+            allocator.free(pool.req_to_token[row, :allocated])
         pool.free(req)
-
-
-def prefill_request(rid: Any, ids: Sequence[int], max_new_tokens: int) -> Any:
-    """A greedy SGLang ``Req`` for the token ids ``ids``, ready for a prefill of the whole prompt."""
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
-    req = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", ids),
-              sampling_params=SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
-    req.full_untruncated_fill_ids = req.origin_input_ids
-    req.logprob_start_len = -1
-    req.set_extend_range(0, len(ids))
-    return req
 
 
 def calibration_forward(model_runner: Any, token_ids: Sequence[Sequence[int]]) -> None:
     """One prefill of ``token_ids`` (one request each) through ``model_runner``; every slot is given back."""
-    from sglang.benchmark.one_batch import extend
-
     needed = sum(len(seq) for seq in token_ids)
     free = model_runner.token_to_kv_pool_allocator.available_size()
     if needed > free:
@@ -127,7 +114,7 @@ def calibration_forward(model_runner: Any, token_ids: Sequence[Sequence[int]]) -
     reqs = [prefill_request(rid=f"fp8rl-kv-calibration-{i}", ids=list(seq), max_new_tokens=1)
             for i, seq in enumerate(token_ids)]
     try:
-        extend(reqs, model_runner)  # under torch.no_grad (one_batch.py:481)
+        one_batch().extend(reqs, model_runner)  # under torch.no_grad (one_batch.py:481)
     finally:
         _release(model_runner, reqs)
 
@@ -137,14 +124,26 @@ def measure_amax(model_runner: Any, token_ids: Sequence[Sequence[int]],
     """float64 ``[layers, 2]`` (K, V) amax of a calibration forward, in ``attention_layers`` order, on the CPU.
 
     With ``group`` (the tensor-parallel group) the amax is the max over its ranks, so every rank derives the same
-    per-layer scales, as trainer-supplied scales are."""
+    per-layer scales, as trainer-supplied scales are. The ranks first agree that every forward succeeded (SGLang's TP
+    CPU group, :func:`~sglang_fp8rl.weight_sync.consensus.agree`); if one failed, every rank raises RuntimeError
+    naming it, and none waits in the all-reduce."""
     layers = attention_layers(model_runner.model)
     observer = KVAmaxObserver()
-    with observing(model_runner.attn_backend, observer):
-        calibration_forward(model_runner, token_ids)
-    table = observer.table([layer.layer_id for layer in layers])
-    if group is not None:
-        torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX, group=group)
+    table, error = None, None
+    try:
+        with observing(model_runner.attn_backend, observer):
+            calibration_forward(model_runner, token_ids)
+        table = observer.table([layer.layer_id for layer in layers])
+    except Exception as e:  # noqa: BLE001 - any rank-local failure (out of memory included) must reach every rank
+        if group is None:
+            raise
+        error = e
+    if group is None:
+        return table.to("cpu", torch.float64)
+    verdict = agree(Verdict(error is None, "" if error is None else f"{type(error).__name__}: {error}"))
+    if not verdict.ok:
+        raise RuntimeError(f"KV calibration forward failed: {verdict.message}") from error
+    torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX, group=group)
     return table.to("cpu", torch.float64)
 
 
@@ -163,12 +162,13 @@ class Calibration:
     seconds: float
     finished_at: float  # time.time()
     source: str  # "calibration" or "trainer"
+    sequences: int = 0  # of the calibration batch (cut to the free request and KV slots)
 
     def summary(self) -> str:
         """One log line."""
         ks = [s[0] for s in self.scales.values()]
         vs = [s[1] for s in self.scales.values()]
-        measured = f"on {self.tokens} tokens " if self.source == "calibration" else ""
+        measured = f"on {self.tokens} tokens in {self.sequences} sequences " if self.source == "calibration" else ""
         return (f"[fp8rl] KV scales from {self.source} {measured}in {self.seconds * 1e3:.1f} ms: "
                 f"{len(self.scales)} layers, {len(self.changed)} changed, k in [{min(ks):g}, {max(ks):g}], "
                 f"v in [{min(vs):g}, {max(vs):g}]")
@@ -196,7 +196,7 @@ class KVScaleRecord:
         if last is None:
             return {"writes": 0}
         return {"writes": count, "source": last.source, "time": last.finished_at, "seconds": last.seconds,
-                "tokens": last.tokens, "changed_layers": list(last.changed),
+                "tokens": last.tokens, "sequences": last.sequences, "changed_layers": list(last.changed),
                 "scales": {str(i): list(s) for i, s in last.scales.items()},
                 "amax": {str(i): list(a) for i, a in last.amax.items()}}
 
@@ -211,7 +211,7 @@ def kv_scale_record() -> KVScaleRecord:
 
 def apply_scales(layers: Sequence[Any], scales: dict[int, tuple[float, float]], *, source: str, tokens: int = 0,
                  amax: Optional[dict[int, tuple[float, float]]] = None, started: Optional[float] = None,
-                 before: Optional[dict[int, tuple[float, float]]] = None) -> Calibration:
+                 before: Optional[dict[int, tuple[float, float]]] = None, sequences: int = 0) -> Calibration:
     """Write ``scales`` in place (all or nothing), record and log the write; returns its record. ``before``: the
     scales that served until now (default: the layers' current ones), for the record of what changed."""
     started = time.perf_counter() if started is None else started
@@ -219,7 +219,8 @@ def apply_scales(layers: Sequence[Any], scales: dict[int, tuple[float, float]], 
     written = write_scales(layers, scales)
     changed = tuple(i for i, s in written.items() if before.get(i) != s)
     calibration = Calibration(amax=amax or {}, scales=written, changed=changed, tokens=tokens,
-                              seconds=time.perf_counter() - started, finished_at=time.time(), source=source)
+                              seconds=time.perf_counter() - started, finished_at=time.time(), source=source,
+                              sequences=sequences)
     _RECORD.record(calibration)
     return calibration
 
@@ -232,8 +233,9 @@ def recalibrate(model_runner: Any, token_ids: Sequence[Sequence[int]], policy: S
     ``under``: scales written for the calibration forward only (the engine passes its start-up scales). A backend
     whose prefill attends to the FP8 cache (FlashInfer's paged prefill) measures later layers' K/V through the scales
     in force; under fixed ones the result depends on the weights alone, as a fresh server's calibration does.
-    Raises (``ValueError`` for non-finite K/V, ``RuntimeError`` for too few free KV slots) without changing anything;
-    the previous scales then stay in force."""
+    Raises (``ValueError`` for non-finite K/V, ``RuntimeError`` for too few free KV slots, or with ``group`` for a
+    forward that failed on any rank, on every rank alike) without changing anything; the previous scales then stay
+    in force."""
     started = time.perf_counter()
     layers = attention_layers(model_runner.model)
     ids = [layer.layer_id for layer in layers]
@@ -249,5 +251,6 @@ def recalibrate(model_runner: Any, token_ids: Sequence[Sequence[int]], policy: S
         if not measured:
             write_scales(layers, in_force)
     return apply_scales(layers, {i: tuple(row) for i, row in zip(ids, scales.tolist())}, source="calibration",
-                        tokens=sum(len(seq) for seq in token_ids), started=started, before=in_force,
+                        tokens=sum(len(seq) for seq in token_ids), sequences=len(token_ids), started=started,
+                        before=in_force,
                         amax={i: tuple(row) for i, row in zip(ids, amax.tolist())})

@@ -1,8 +1,8 @@
 """This process's FP8 KV-scale state: the mode, the calibration batch, and whether a recalibration is due.
 
-A recalibration is due after every *complete* weight update: a request carrying the step-complete marker (the
-client sends it with the last bucket of a step, and alone for an explicit recalibration), or a full update from disk
-(no name filter). Trainer-supplied scales of every attention layer in a step make that step's recalibration moot.
+A recalibration becomes due when a weight-update step ends (:mod:`sglang_fp8rl.weight_sync.step` decides: not when
+the trainer sent every attention layer's scales during the step). It stays due until a calibration succeeds, so a
+recalibration deferred because requests were running is retried at the next opportunity.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 import json
 import logging
 import random
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from sglang_fp8rl.kv_scales.calibrate import (
     DEFAULT_CALIBRATION_SEQ_LEN,
@@ -25,6 +25,7 @@ from sglang_fp8rl.kv_scales.numerics import ScalePolicy
 logger = logging.getLogger(__name__)
 
 RANDOM_BATCH_SEED = 0
+NO_TOKENIZER = "no tokenizer"
 
 
 @dataclasses.dataclass
@@ -36,8 +37,7 @@ class KVScaleState:
     token_ids: list[list[int]] = dataclasses.field(default_factory=list)
     batch_source: str = ""
     policy: ScalePolicy = dataclasses.field(default_factory=ScalePolicy)
-    due: bool = False  # a complete update happened since the last calibration
-    trainer_layers: set[int] = dataclasses.field(default_factory=set)  # layers given scales by the trainer this step
+    due: bool = False  # a step ended since the last successful calibration
     deferred: int = 0  # due recalibrations skipped because the engine was busy or short of KV slots
     fused_write: bool = False  # --fp8rl-kv-write fused: one kernel writes calibrated K/V (kernels/kv_store.py)
     # the scales in force when the layers got their tensors (SGLang's, normally 1.0): every calibration runs under
@@ -74,29 +74,40 @@ def calibration_batch(path: str, tokenizer_path: Optional[str], vocab_size: int,
         source = path
     else:
         ids, source = _tokenized_text(tokenizer_path)
-        if ids is None:
-            ids, source = random_token_ids(vocab_size), f"random ids (seed {RANDOM_BATCH_SEED}; no tokenizer)"
+        if ids is None:  # source: why the text cannot be used
+            ids, source = random_token_ids(vocab_size), f"random ids (seed {RANDOM_BATCH_SEED}; {source})"
     ids = [seq[: max(1, context_len - 1)] for seq in ids]
     check_token_ids(ids, vocab_size, max_tokens)
     return ids, source
 
 
 def _tokenized_text(tokenizer_path: Optional[str]) -> tuple[Optional[list[list[int]]], str]:
+    """(the built-in text's batch, its source), or (None, why not)."""
     if not tokenizer_path:
-        return None, ""
+        return None, NO_TOKENIZER
     try:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
         logger.info("[fp8rl] KV calibration: no tokenizer at %s (%s); using random token ids", tokenizer_path, e)
-        return None, ""
-    return calibration_token_ids(tokenizer), f"built-in text through {tokenizer_path}'s tokenizer"
+        return None, NO_TOKENIZER
+    try:
+        return calibration_token_ids(tokenizer), f"built-in text through {tokenizer_path}'s tokenizer"
+    except ValueError as e:  # a tokenizer that turns the text into no tokens: a server must still start
+        logger.warning("[fp8rl] KV calibration: %s's tokenizer: %s; using random token ids", tokenizer_path, e)
+        return None, str(e)
 
 
-def batch_within(token_ids: list[list[int]], free_slots: int) -> list[list[int]]:
-    """The calibration batch cut to fit ``free_slots`` KV slots (each sequence shortened alike; the same pool size
-    always gives the same batch); ValueError if not even one token per sequence fits."""
+def batch_within(token_ids: list[list[int]], free_slots: int,
+                 free_requests: Optional[int] = None) -> list[list[int]]:
+    """The calibration batch cut to fit ``free_slots`` KV slots and ``free_requests`` request slots (one per
+    sequence): its first sequences, as many as there are free request slots, each shortened alike to the KV slots (the
+    same pool sizes always give the same batch); ValueError if not even one token of one sequence fits."""
+    if free_requests is not None:
+        if free_requests < 1:
+            raise ValueError("no request slot is free for a calibration batch")
+        token_ids = token_ids[:free_requests]  # whole sequences: each still starts where it did
     total = sum(map(len, token_ids))
     if total <= free_slots:
         return token_ids
@@ -108,23 +119,13 @@ def batch_within(token_ids: list[list[int]], free_slots: int) -> list[list[int]]
 
 
 def mark_due() -> None:
-    """A complete weight update happened: recalibrate at the next opportunity (unless the trainer gave scales)."""
+    """A step ended that needs new scales: recalibrate at the next opportunity (kept until one succeeds)."""
     _STATE.due = _STATE.calibrating
 
 
-def note_trainer_scales(layers: Sequence[int]) -> None:
-    """The trainer sent KV scales for these layers in the current step."""
-    _STATE.trainer_layers.update(layers)
-
-
-def take_due(num_layers: int) -> bool:
-    """Whether a recalibration should run now; resets the step's bookkeeping."""
-    due = _STATE.due and len(_STATE.trainer_layers) < num_layers
-    if _STATE.due and not due:
-        logger.info("[fp8rl] KV scales: the trainer supplied every layer's scales this step; no recalibration")
+def mark_calibrated() -> None:
+    """A calibration succeeded: nothing is due any more."""
     _STATE.due = False
-    _STATE.trainer_layers.clear()
-    return due
 
 
 def set_up(mode: str, token_ids: list[list[int]], batch_source: str, explicit: bool = False,

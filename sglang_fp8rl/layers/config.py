@@ -13,9 +13,9 @@ from sglang.srt.layers.linear import LinearBase, ReplicatedLinear
 from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
 from sglang.srt.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
-from sglang.srt.server_args import get_global_server_args
 from sglang.srt.utils.hf_transformers.config import get_config
 
+from sglang_fp8rl.compat.runtime import server_args as current_server_args
 from sglang_fp8rl.layers.linear import Fp8OnlineBlockwiseLinearMethod
 from sglang_fp8rl.layers.moe import Fp8OnlineBlockwiseMoEMethod
 from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision
@@ -93,7 +93,7 @@ def layer_index(prefix: str) -> Optional[int]:
 
 def num_hidden_layers_of_served_model() -> int:
     """``num_hidden_layers`` of the model this process serves, from the config SGLang loaded (local or model hub)."""
-    args = get_global_server_args()
+    args = current_server_args()
     try:
         config = get_config(args.model_path, trust_remote_code=args.trust_remote_code, revision=args.revision)
     except (OSError, ValueError) as e:
@@ -149,7 +149,7 @@ class Fp8OnlineBlockwiseConfig(QuantizationConfig):
 
     def __init__(self, options: Optional[Fp8rlOptions] = None, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE):
         super().__init__()
-        refuse_unsupported_setup(get_global_server_args())
+        refuse_unsupported_setup(current_server_args())
         self.options = options if options is not None else get_options()
         # deliberately not named `weight_block_size`: SGLang's CPU path pads intermediate sizes of configs that have
         # one (configs/update_config.py), which would hide the per-channel fallback this package is built for

@@ -26,8 +26,8 @@ from sglang.srt.layers.moe import MoeRunner, MoeRunnerBackend, MoeRunnerConfig
 from sglang.srt.layers.moe.moe_runner.triton import TritonMoeQuantInfo
 from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput, StandardDispatchOutput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
-from sglang.srt.server_args import get_global_server_args
 
+from sglang_fp8rl.compat.runtime import server_args as current_server_args
 from sglang_fp8rl.layers.fp8_storage import (
     CHECK_ATTR,
     Fp8LayerState,
@@ -226,7 +226,7 @@ def reference_moe(layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.T
 
 def refuse_expert_relocation(prefix: str) -> None:
     """Our loader writes each expert once, at its local index: EPLB's redundant/relocated copies would stay empty."""
-    args = get_global_server_args()
+    args = current_server_args()
     if args.enable_eplb or args.ep_num_redundant_experts or args.init_expert_location != "trivial":
         raise ValueError(
             f"{prefix}: fp8_online_blockwise does not support EPLB / redundant or relocated experts "

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from sglang_fp8rl.compat.runtime import linear_tp
+
 QKV_SHARD_IDS = ("q", "k", "v")
 # SGLang's loaded_shard_id: "q"/"k"/"v" (QKV), an int index (merged gate/up), None (unfused)
 ShardId = Optional[Union[str, int]]
@@ -226,6 +228,7 @@ def placement_for_layer(layer: Any, shard_id: ShardId = None) -> ShardPlacement:
 
     if getattr(layer, "use_presharded_weights", False):
         raise ValueError(f"{type(layer).__name__}: presharded weights (use_presharded_weights=True) are not supported")
+    tp_rank, tp_size = linear_tp(layer)
     # subclasses first: QKV and Merged are ColumnParallelLinear subclasses with different placement
     if isinstance(layer, sl.QKVParallelLinear):
         _require_stock_loaders(layer, sl.QKVParallelLinear)
@@ -237,8 +240,8 @@ def placement_for_layer(layer: Any, shard_id: ShardId = None) -> ShardPlacement:
             head_size=layer.head_size,
             total_num_heads=layer.total_num_heads,
             total_num_kv_heads=layer.total_num_kv_heads,
-            tp_rank=layer.tp_rank,
-            tp_size=layer.tp_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
             v_head_size=layer.v_head_size,
         )
         _check_fits(layer, p, sum(layer.output_partition_sizes), layer.input_size)
@@ -249,19 +252,19 @@ def placement_for_layer(layer: Any, shard_id: ShardId = None) -> ShardPlacement:
             _refuse_fused(layer, "gate_proj/up_proj")
         if isinstance(shard_id, bool) or not isinstance(shard_id, int):
             raise ValueError(f"MergedColumnParallelLinear shard_id must be an int index, got {shard_id!r}")
-        p = merged_placement(layer.output_sizes, shard_id, layer.input_size, layer.tp_rank, layer.tp_size)
+        p = merged_placement(layer.output_sizes, shard_id, layer.input_size, tp_rank, tp_size)
         _check_fits(layer, p, sum(layer.output_partition_sizes), layer.input_size)
         return p
     if isinstance(layer, sl.ColumnParallelLinear):
         _require_stock_loaders(layer, sl.ColumnParallelLinear)
         _require_unfused(layer, shard_id)
-        p = column_placement(layer.output_size, layer.input_size, layer.tp_rank, layer.tp_size)
+        p = column_placement(layer.output_size, layer.input_size, tp_rank, tp_size)
         _check_fits(layer, p, layer.output_size_per_partition, layer.input_size)
         return p
     if isinstance(layer, sl.RowParallelLinear):
         _require_stock_loaders(layer, sl.RowParallelLinear)
         _require_unfused(layer, shard_id)
-        p = row_placement(layer.output_size, layer.input_size, layer.tp_rank, layer.tp_size)
+        p = row_placement(layer.output_size, layer.input_size, tp_rank, tp_size)
         _check_fits(layer, p, layer.output_size, layer.input_size_per_partition)
         return p
     if isinstance(layer, sl.ReplicatedLinear):

@@ -18,6 +18,7 @@ broadcast, where the engine waits for every announced tensor.
 from __future__ import annotations
 
 import base64
+import collections
 import io
 import threading
 from multiprocessing.reduction import ForkingPickler
@@ -27,6 +28,8 @@ import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
 from sglang_fp8rl.quant import extremes, extremes_finite_in_bf16
+from sglang_fp8rl.weight_sync.errors import WeightPushError
+from sglang_fp8rl.weight_sync.session import step_session
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 DEFAULT_TIMEOUT_S = 600.0
@@ -38,10 +41,6 @@ STEP_COMPLETE = "fp8rl.step_complete"  # control entry marking the last request 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 # torch's reduce_tensor argument that holds a CUDA tensor's device index (SGLang sends the device UUID there)
 _DEVICE_ARG = 6
-
-
-class WeightPushError(RuntimeError):
-    """The engine refused or failed a weight update (or the client refused to send it)."""
 
 
 def named_items(weights: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
@@ -133,14 +132,37 @@ def _tp_size(url: str, timeout: float) -> int:
 # payload (SGLang's format, without patching torch for the whole process)
 
 
+class _StorageBytes:
+    """A host storage pickled as its bytes (``torch.storage._load_from_bytes``): the one way of sending bytes that
+    SGLang's safe unpickler accepts from 0.5.21 (it refuses a whole tensor there, and older releases take this too)."""
+
+    def __init__(self, storage: torch.TypedStorage):
+        self.storage = storage
+
+    def __reduce__(self) -> tuple[Callable, tuple]:
+        buf = io.BytesIO()
+        torch.save(self.storage, buf)
+        return torch.storage._load_from_bytes, (buf.getvalue(),)
+
+
+def _reduce_host_tensor(tensor: torch.Tensor) -> tuple[Callable, tuple]:
+    """A host tensor as its bytes, rebuilt by torch's plain ``_rebuild_tensor_v3`` (torch's shared-memory reduction
+    passes a file descriptor that only processes of the sender's multiprocessing family may fetch, which an engine
+    started on its own is not)."""
+    t = tensor.detach().contiguous()
+    if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()  # send only this tensor's bytes, not the rest of a larger storage it views
+    # bytes as a uint8 storage (torch cannot save an FP8 storage), typed again on arrival by _rebuild_tensor_v3
+    storage = torch.TypedStorage(wrap_storage=t.untyped_storage(), dtype=torch.uint8, _internal=True)
+    return torch._utils._rebuild_tensor_v3, (_StorageBytes(storage), 0, tuple(t.shape), t.stride(), False,
+                                             collections.OrderedDict(), t.dtype)
+
+
 def _reduce_tensor(tensor: torch.Tensor) -> tuple[Callable, tuple]:
     """A CUDA tensor: torch's IPC reduction with the device index replaced by the device's UUID. Any other tensor:
-    its bytes (torch's shared-memory reduction passes a file descriptor that only processes of the sender's
-    multiprocessing family may fetch, which an engine started on its own is not)."""
+    its bytes (:func:`_reduce_host_tensor`)."""
     if not tensor.is_cuda:
-        buf = io.BytesIO()
-        torch.save(tensor.detach().contiguous(), buf)
-        return torch.storage._load_from_bytes, (buf.getvalue(),)
+        return _reduce_host_tensor(tensor)
     reduce = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)  # SGLang may have patched it
     rebuild, args = reduce(tensor)
     uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
@@ -202,26 +224,33 @@ def push_state_dict(target: Any, weights: NamedTensors, bucket_bytes: int = DEFA
     if not chunks:
         return []
     tp_size = _tp_size(target, timeout) if isinstance(target, str) else None
-    if atomic:
+    with step_session(target, timeout) as in_session:
+        if atomic:
+            for i, bucket in enumerate(chunks):
+                what = f"step validation (bucket {i + 1}/{len(chunks)}: {bucket[0][0]} ...), nothing of the step " \
+                       "written"
+                _send_tensors(target, bucket, tp_size, VALIDATE_ONLY, False, what, timeout)
+        if complete and not in_session:  # in a session, its end completes the step
+            chunks[-1] = chunks[-1] + [(STEP_COMPLETE, torch.zeros(()))]
+        answers = []
         for i, bucket in enumerate(chunks):
-            what = f"step validation (bucket {i + 1}/{len(chunks)}: {bucket[0][0]} ...), nothing of the step written"
-            _send_tensors(target, bucket, tp_size, VALIDATE_ONLY, False, what, timeout)
-    if complete:
-        chunks[-1] = chunks[-1] + [(STEP_COMPLETE, torch.zeros(()))]
-    answers = []
-    for i, bucket in enumerate(chunks):
-        last = i == len(chunks) - 1
-        what = f"update_weights_from_tensor (bucket {i + 1}/{len(chunks)}: {bucket[0][0]} ...)"
-        answers.append(_send_tensors(target, bucket, tp_size, None, last, what, timeout))
+            last = i == len(chunks) - 1
+            what = f"update_weights_from_tensor (bucket {i + 1}/{len(chunks)}: {bucket[0][0]} ...)"
+            answers.append(_send_tensors(target, bucket, tp_size, None, last, what, timeout))
     return answers
 
 
 def recalibrate_kv_scales(target: Any, timeout: float = DEFAULT_TIMEOUT_S) -> Any:
-    """Ask an engine with ``--fp8rl-kv-scales calibrate`` to recalibrate its KV scales now (a request that carries
-    only the step-complete marker; the engine measures once it is idle)."""
-    tp_size = _tp_size(target, timeout) if isinstance(target, str) else None
-    return _send_tensors(target, [(STEP_COMPLETE, torch.zeros(()))], tp_size, None, True,
-                         "recalibrate_kv_scales", timeout)
+    """Ask an engine with ``--fp8rl-kv-scales calibrate`` to recalibrate its KV scales now (an empty step: a session
+    opened and closed where the engine has sessions, else a request that carries only the step-complete marker; the
+    engine measures once it is idle)."""
+    with step_session(target, timeout) as in_session:
+        if in_session:
+            return {"success": True, "message": "recalibration requested by an empty weight-update session"}
+        tp_size = _tp_size(target, timeout) if isinstance(target, str) else None
+        return _send_tensors(target, [(STEP_COMPLETE, torch.zeros(()))], tp_size, None, True,
+                             "recalibrate_kv_scales", timeout)
+
 
 
 def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict]:
@@ -273,26 +302,37 @@ def init_update_group(target: Any, master_address: str, master_port: int, world_
 
 
 def push_distributed(target: Any, weights: NamedTensors, group: Any, group_name: str = "fp8rl",
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout: float = DEFAULT_TIMEOUT_S) -> list:
-    """Push weights over the update group: per bucket, the engine's request (in a thread) and our broadcasts.
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout: float = DEFAULT_TIMEOUT_S,
+                     complete: bool = True) -> list:
+    """Push one trainer step over the update group: per bucket, the engine's request (in a thread) and our
+    broadcasts. With ``complete`` (default) the step ends complete (an engine with calibrated FP8 KV scales then
+    recalibrates): the session's end, or a marker request after the last bucket on engines without sessions.
 
     Every bucket passes :func:`preflight` before the first request, so no broadcast stops half-way on our side."""
     chunks = list(buckets(weights, bucket_bytes))
     for bucket in chunks:
         preflight(bucket, "update_weights_from_distributed")
-    answers = []
-    for bucket in chunks:
-        meta = dict(names=[n for n, _ in bucket], dtypes=[str(t.dtype).replace("torch.", "") for _, t in bucket],
-                    shapes=[list(t.shape) for _, t in bucket], group_name=group_name)
-        if isinstance(target, str):
-            thread, result = _in_thread(lambda meta=meta: _post(target, "/update_weights_from_distributed", meta,
-                                                                timeout))
-        else:
-            thread, result = _in_thread(lambda meta=meta: target.update_weights_from_distributed(**meta))
-        for _, tensor in bucket:
-            torch.distributed.broadcast(tensor.contiguous(), src=0, group=group)
-        answers.append(_join(thread, result, f"update_weights_from_distributed ({meta['names'][0]} ...)", timeout))
+    with step_session(target, timeout) as in_session:
+        answers = [_broadcast_bucket(target, bucket, group, group_name, timeout) for bucket in chunks]
+        if complete and not in_session:  # in a session, its end completes the step
+            tp_size = _tp_size(target, timeout) if isinstance(target, str) else None
+            _send_tensors(target, [(STEP_COMPLETE, torch.zeros(()))], tp_size, None, False,
+                          "update_weights_from_distributed (step complete)", timeout)
     return answers
+
+
+def _broadcast_bucket(target: Any, bucket: list, group: Any, group_name: str, timeout: float) -> Any:
+    """One bucket over the update group: the engine's request in a thread, our broadcasts here."""
+    meta = dict(names=[n for n, _ in bucket], dtypes=[str(t.dtype).replace("torch.", "") for _, t in bucket],
+                shapes=[list(t.shape) for _, t in bucket], group_name=group_name)
+    if isinstance(target, str):
+        thread, result = _in_thread(lambda meta=meta: _post(target, "/update_weights_from_distributed", meta,
+                                                            timeout))
+    else:
+        thread, result = _in_thread(lambda meta=meta: target.update_weights_from_distributed(**meta))
+    for _, tensor in bucket:
+        torch.distributed.broadcast(tensor.contiguous(), src=0, group=group)
+    return _join(thread, result, f"update_weights_from_distributed ({meta['names'][0]} ...)", timeout)
 
 
 def push_from_disk(target: Any, path: str, load_format: str = "auto", timeout: float = 1800.0) -> Any:

@@ -25,7 +25,8 @@ import torch
 
 from sglang_fp8rl.weight_sync.consensus import Verdict, agree
 from sglang_fp8rl.weight_sync.request import Validated
-from sglang_fp8rl.weight_sync.update import engine_state, model_device, new_stats, peak_memory, record
+from sglang_fp8rl.weight_sync.step import current_step, end_step
+from sglang_fp8rl.weight_sync.update import UpdateStats, engine_state, model_device, new_stats, peak_memory, record
 from sglang_fp8rl.weight_sync.validate import UpdateRejected
 
 logger = logging.getLogger(__name__)
@@ -90,10 +91,9 @@ def run(model: torch.nn.Module, source: str, prepare: Callable[[], Prepared], wr
             stats.tensors, stats.bytes = prepared.tensors, prepared.bytes
             stats.add(prepared.validated)
         if not verdict.ok:
-            stats.message = verdict.message
-            record(stats)
-            return False, with_state(REJECTED + verdict.message)
+            return _refused(stats, verdict.message)
         if prepared.validate_only:
+            current_step().validated()
             stats.ok, stats.message = True, VALIDATED
             record(stats)
             return True, with_state(VALIDATED)
@@ -107,9 +107,26 @@ def run(model: torch.nn.Module, source: str, prepare: Callable[[], Prepared], wr
         record(stats)
         return False, PARTIAL + reason
     state.mark_written(prepared.validated.names, full=prepared.full)
+    current_step().applied(prepared.validated.names, kv_layers=prepared.kv_scales or ())
+    if prepared.step_complete:
+        end_step(model, marker=True)
     stats.ok, stats.message = True, "ok"
     record(stats)
     return True, with_state("Success")
+
+
+def _refused(stats: UpdateStats, message: str) -> tuple[bool, str]:
+    """A request refused on every rank: nothing of it written. In an all-or-nothing step whose earlier requests were
+    written, the step is half applied: those tensors are dirty until re-sent, and the answer says so."""
+    stats.message = message
+    record(stats)
+    written = current_step().refused(message)
+    if not written:
+        return False, with_state(REJECTED + message)
+    reason = (f"an all-or-nothing step was refused in its apply round after {len(written)} tensors of it were "
+              f"written: {message}")
+    engine_state().mark_dirty(written, reason)
+    return False, PARTIAL + reason
 
 
 def run_unvalidated(model: torch.nn.Module, source: str, call: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
@@ -125,6 +142,7 @@ def run_unvalidated(model: torch.nn.Module, source: str, call: Callable[[], tupl
         ok, message = False, _describe(e)
     verdict = agree(Verdict(bool(ok), "" if ok else str(message), wrote=state.writes > writes_before))
     if verdict.ok:
+        end_step(model)  # checkpoint-engine sends a whole step in one call
         return True, with_state(message)
     if verdict.wrote:
         state.mark_dirty((), f"{source} failed on some rank after others wrote: {verdict.message}")

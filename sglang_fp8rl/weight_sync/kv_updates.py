@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from sglang_fp8rl.kv_scales.calibrate import apply_scales
-from sglang_fp8rl.kv_scales.engine import kv_state, note_trainer_scales
+from sglang_fp8rl.kv_scales.engine import kv_state
 from sglang_fp8rl.kv_scales.layers import (
     attention_layers,
     kv_scale_values,
@@ -63,4 +63,3 @@ def prepare_kv_scales(model: torch.nn.Module, entries: Sequence[tuple[str, Any]]
 def write_kv_scales(model: torch.nn.Module, scales: KVScales) -> None:
     """Write validated trainer scales in place (after the weights of the same update)."""
     apply_scales(attention_layers(model), scales, source="trainer")
-    note_trainer_scales(scales)

@@ -1,0 +1,142 @@
+"""SGLang's weight-update entry points, as each supported release lays them out.
+
+Each function is one difference between releases: the release where it starts, and what it hides. Adapters look
+for the feature itself (a module, a method) rather than compare version strings, so a post-release that backports a
+change is handled too; the release named in each docstring is where the supported list first has it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any, Optional
+
+import torch
+
+
+@functools.cache
+def _updater_module() -> Any:
+    """0.5.16+: ``model_runner_components.weight_updater``; before: the same functions in ``model_runner``."""
+    try:
+        return importlib.import_module("sglang.srt.model_executor.model_runner_components.weight_updater")
+    except ModuleNotFoundError:
+        return importlib.import_module("sglang.srt.model_executor.model_runner")
+
+
+def updater_class() -> type:
+    """The class whose ``update_weights_*`` methods SGLang calls: ``WeightUpdater`` from 0.5.16, ``ModelRunner``
+    before (one object then held both the model and its update methods)."""
+    module = _updater_module()
+    return getattr(module, "WeightUpdater", None) or module.ModelRunner
+
+
+def updater_model(updater: Any) -> torch.nn.Module:
+    """The served model: ``WeightUpdater.get_model()`` from 0.5.16, ``ModelRunner.model`` before."""
+    get_model = getattr(updater, "get_model", None)
+    return get_model() if callable(get_model) else updater.model
+
+
+def updater_tp_rank(updater: Any) -> int:
+    """This rank's TP index: the updater's ``tp_rank`` up to 0.5.23 (``get_parallel().tp_rank`` is what 0.5.21+
+    reads itself; both agree outside draft-model scopes, which this package does not serve)."""
+    return int(updater.tp_rank)
+
+
+def local_serialized_tensor_type() -> type:
+    """``LocalSerializedTensor`` (one payload per TP rank): defined beside the update methods in every release."""
+    return _updater_module().LocalSerializedTensor
+
+
+def unwrap_tensor(updater: Any, tensor: Any) -> torch.Tensor:
+    """This rank's tensor of a request item, on the updater's device, as SGLang's own method obtains it."""
+    device = torch.get_device_module(updater.device).current_device()
+    return _updater_module()._unwrap_tensor(tensor, tp_rank=updater_tp_rank(updater), device=device)
+
+
+def derived_weight_cache_error(updater: Any) -> Optional[str]:
+    """SGLang's refusal of updates that a derived-weight cache would not follow: none before 0.5.17; no argument in
+    0.5.17-0.5.20; the model as argument from 0.5.21 (model-owned caches declare it)."""
+    check = getattr(_updater_module(), "_unsupported_derived_weight_cache_error", None)
+    if check is None:
+        return None
+    try:
+        return check(updater_model(updater))
+    except TypeError:  # 0.5.17-0.5.20: takes no argument
+        return check()
+
+
+def assert_weight_cache_inactive(updater: Any, op: str) -> None:
+    """SGLang's refusal while its CUDA IPC weight cache is active (``--weight-cache-mode``): from 0.5.17."""
+    check = getattr(updater, "_assert_weight_cache_inactive", None)
+    if check is not None:
+        check(op)
+
+
+def has_update_sessions() -> bool:
+    """0.5.21+: tensor and distributed updates run only between ``begin_weight_update`` and ``end_weight_update``."""
+    return hasattr(updater_class(), "begin_weight_update")
+
+
+def splits_distributed_update() -> bool:
+    """0.5.21+: ``update_weights_from_distributed`` is split into ``receive_weights_from_distributed`` (the
+    broadcast) and ``load_weights_from_distributed`` (the write), called by the scheduler one after the other."""
+    return hasattr(updater_class(), "receive_weights_from_distributed")
+
+
+def deserialize_method_name() -> Optional[str]:
+    """``TpModelWorker``'s per-rank payload decoding: inline in ``update_weights_from_tensor`` up to 0.5.15 (None),
+    ``_deserialize_own_rank`` in 0.5.16-0.5.20, ``deserialize_own_rank`` from 0.5.21."""
+    from sglang.srt.managers.tp_worker import TpModelWorker
+
+    for name in ("deserialize_own_rank", "_deserialize_own_rank"):
+        if hasattr(TpModelWorker, name):
+            return name
+    return None
+
+
+def scheduler_update_owner() -> type:
+    """The scheduler-side class whose ``update_weights_from_*`` methods answer the HTTP requests (and flush the
+    cache): ``SchedulerWeightUpdaterManager`` from 0.5.15, the ``Scheduler`` itself (a mixin) before."""
+    try:
+        from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+    except ImportError:
+        from sglang.srt.managers.scheduler import Scheduler
+
+        return Scheduler
+    return SchedulerWeightUpdaterManager
+
+
+def decode_own_rank(payloads: Any, tp_rank: int) -> Any:
+    """This rank's entry of a per-rank serialized payload, decoded as SGLang decodes it (torch's reductions patched
+    first, so CUDA IPC handles resolve by device UUID). Up to 0.5.15 ``TpModelWorker`` did this inline."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
+    return MultiprocessingSerializer.deserialize(payloads[tp_rank])
+
+
+def scheduler_update_manager(scheduler: Any) -> Any:
+    """The scheduler's object of :func:`scheduler_update_owner` (it holds ``tp_worker`` and ``flush_cache``):
+    ``scheduler.weight_updater`` from 0.5.15, the scheduler itself before."""
+    manager = getattr(scheduler, "weight_updater", None)
+    return manager if isinstance(manager, scheduler_update_owner()) else scheduler
+
+
+def updater_of(model_runner: Any) -> Any:
+    """The object with the ``update_weights_*`` methods of a ModelRunner: its ``weight_updater`` from 0.5.16, the
+    ModelRunner itself before."""
+    return getattr(model_runner, "weight_updater", None) or model_runner
+
+
+def update_from_distributed(updater: Any, **request: Any) -> tuple[bool, str]:
+    """One ``update_weights_from_distributed`` as SGLang's scheduler runs it on a rank: one updater call up to
+    0.5.20; from 0.5.21 a receive and then a load (a failed receive answered, as the scheduler does). For in-process
+    callers (the CPU demo and tests): the server's own path calls the same methods."""
+    if not splits_distributed_update():
+        return updater.update_weights_from_distributed(**request)
+    try:
+        weights = updater.receive_weights_from_distributed(**request)
+    except Exception as e:  # noqa: BLE001 - SGLang's scheduler answers a failed receive the same way
+        return False, f"Failed to receive weights: {e}"
+    return updater.load_weights_from_distributed(weights)

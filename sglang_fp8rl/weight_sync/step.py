@@ -1,0 +1,144 @@
+"""One trainer step on the engine, as one object with explicit transitions: the one owner of a step's state.
+
+::
+
+    IDLE --begin--> OPEN --validated* / applied* / refused*--> OPEN --end--> IDLE   (end returns the step's Commit)
+
+* **begin**: SGLang's ``begin_weight_update`` (0.5.21+, a *session*), else the first request after the last end.
+* **requests**: each one is validate-only (the first round of an all-or-nothing step: the step is then *atomic*),
+  applied (its tensors were written) or refused (nothing of it was written).
+* **end**: SGLang's ``end_weight_update`` (0.5.21+), else a request carrying the step-complete marker, a disk update
+  that rewrote every parameter, or a checkpoint-engine IPC update (one call per step). A marker inside a session is
+  noted and the step ends with the session.
+* **commit** (what :meth:`UpdateStep.end` returns, applied by the caller): a KV-scale recalibration becomes due
+  unless the trainer sent every attention layer's scales during the step.
+* **broken**: in an atomic step, a request refused after another was written (:meth:`UpdateStep.refused` says so at
+  once, with the tensors written so far): the engine holds a mix of two policies, and the caller marks those tensors
+  *dirty* (the engine refuses to serve until they are re-sent). A trainer that stops after a refusal never ends the
+  step, so this cannot wait for the end.
+
+Every TP rank sees the same requests and (through the guard's agreement) the same verdicts, so every rank's step
+makes the same transitions. Queries (``describe``, the properties) never change state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from typing import Any, Iterable, Optional
+
+import torch
+
+from sglang_fp8rl.kv_scales.engine import mark_due
+from sglang_fp8rl.kv_scales.layers import attention_layers
+
+logger = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    """Where a step is."""
+
+    IDLE = "idle"
+    OPEN = "open"
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    """What ending a step decides (applied once by the caller)."""
+
+    index: int
+    recalibrate: bool  # a KV-scale recalibration is due
+
+
+@dataclasses.dataclass
+class UpdateStep:
+    """The current step (see the module doc). ``index`` counts steps ended in this process."""
+
+    index: int = 0
+    phase: Phase = Phase.IDLE
+    session: bool = False  # opened by SGLang's begin_weight_update: only its end ends the step
+    atomic: bool = False  # a validate-only request ran in this step
+    requests: int = 0
+    written: set[str] = dataclasses.field(default_factory=set)
+    broken: str = ""  # an atomic step's first refusal after a write: the step is half applied
+    trainer_kv_layers: set[int] = dataclasses.field(default_factory=set)
+    complete_requested: bool = False  # a step-complete marker arrived inside a session
+
+    @property
+    def open(self) -> bool:
+        """Whether a step is in progress."""
+        return self.phase is Phase.OPEN
+
+    def begin(self, session: bool = False) -> None:
+        """Open a step (a session's begin, or the first request after an end). A session's begin while a step
+        without a session is open ends nothing: that step's requests become part of the session's step."""
+        if self.phase is Phase.IDLE:
+            self.phase = Phase.OPEN
+        self.session = self.session or session
+
+    def validated(self) -> None:
+        """A validate-only request passed: the step is atomic (all-or-nothing)."""
+        self.begin()
+        self.requests += 1
+        self.atomic = True
+
+    def applied(self, names: Iterable[str], kv_layers: Iterable[int] = ()) -> None:
+        """A request was written in full: its tensors, and the layers whose KV scales the trainer sent."""
+        self.begin()
+        self.requests += 1
+        self.written.update(names)
+        self.trainer_kv_layers.update(kv_layers)
+
+    def refused(self, message: str) -> tuple[str, ...]:
+        """A request was refused (nothing of it written). In an atomic step after a write the step breaks: returns
+        the tensors written so far (to mark dirty), once; else ()."""
+        self.begin()
+        self.requests += 1
+        if not (self.atomic and self.written and not self.broken):
+            return ()
+        self.broken = message
+        return tuple(sorted(self.written))
+
+    def end(self, num_attention_layers: int, marker: bool = False) -> Optional[Commit]:
+        """End the step and return its commit; ``marker``: ended by a step-complete marker, which inside a session
+        is only noted (None returned: the session's end commits)."""
+        if marker and self.session:
+            self.complete_requested = True
+            return None
+        commit = Commit(index=self.index + 1, recalibrate=len(self.trainer_kv_layers) < num_attention_layers)
+        self.reset(commit.index)
+        return commit
+
+    def reset(self, index: Optional[int] = None) -> None:
+        """Back to IDLE with nothing recorded (``index``: the number of steps ended so far)."""
+        fresh = UpdateStep(index=self.index if index is None else index)
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(fresh, field.name))
+
+    def describe(self) -> dict[str, Any]:
+        """Telemetry for /get_server_info (a query: changes nothing)."""
+        return {"steps_ended": self.index, "phase": self.phase.value, "session": self.session, "atomic": self.atomic,
+                "requests": self.requests, "written": len(self.written), "broken": self.broken,
+                "trainer_kv_layers": len(self.trainer_kv_layers)}
+
+
+_STEP = UpdateStep()
+
+
+def current_step() -> UpdateStep:
+    """This process's step (the scheduler process on a server)."""
+    return _STEP
+
+
+def end_step(model: torch.nn.Module, marker: bool = False) -> Optional[Commit]:
+    """End this process's step and apply its commit (a KV recalibration due unless the trainer sent every layer's
+    scales); None when a marker arrived inside a session (the session's end commits)."""
+    commit = _STEP.end(len(attention_layers(model)), marker=marker)
+    if commit is None:
+        return None
+    if commit.recalibrate:
+        mark_due()
+    else:
+        logger.info("[fp8rl] step %d: the trainer supplied every layer's KV scales; no recalibration", commit.index)
+    return commit
