@@ -294,9 +294,18 @@ def summarize_requests(requests_: list[dict], n_planned: int) -> dict:
     tokens = sum(int(r.get("output_tokens") or 0) for r in requests_ if r.get("ok"))
     makespan = done[-1] if done else None
     return {"n": n_planned, "done": len(done), "failed": n_planned - len(done), "complete": len(done) == n_planned,
-            "makespan_s": makespan, "p50_s": percentile(done, 50) if done else None,
-            "p90_s": percentile(done, 90) if done else None, "output_tokens": tokens,
+            "makespan_s": makespan, "p50_s": completion_percentile(done, n_planned, 50),
+            "p90_s": completion_percentile(done, n_planned, 90), "output_tokens": tokens,
             "output_tok_s": tokens / makespan if makespan else None}
+
+
+def completion_percentile(done: list[float], n_planned: int, q: float) -> float | None:
+    """The q-th percentile of all planned requests' completion times; requests that never finished count as later
+    than every finished one, so a percentile that lands on them is unknown (None), never one of the finished."""
+    if not done:
+        return None
+    value = percentile(done + [math.inf] * max(0, n_planned - len(done)), q)
+    return value if math.isfinite(value) else None
 
 
 def summarize_config(name: str, rec: dict, n_planned: int) -> dict:

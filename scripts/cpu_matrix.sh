@@ -1,23 +1,50 @@
 #!/usr/bin/env bash
 # The other supported SGLang releases (one requirements/sglang-<version>.txt each, the primary one excepted): build
 # each pinned CPU env and run the tests that touch SGLang's internals there: the plugin and the demo, the update path
-# (malformed requests, replayed writes, pre-quantized payloads, sessions) and the FP8 KV scales.
+# (malformed requests, replayed writes, pre-quantized payloads, sessions, the step's lifecycle) and the FP8 KV scales.
 # The full suite runs on the primary release (scripts/cpu_test.sh with no SGLANG_VERSION).
-set -euo pipefail
+# The envs are built one at a time (pip); the tests then run MATRIX_JOBS releases at a time (default 2: most of a
+# run is one single-threaded worker process per release). Each release's output goes to its own log, printed at the end.
+set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 primary=$(sed -n 's/^SUPPORTED_SGLANG[^(]*("\([^"]*\)".*/\1/p' sglang_fp8rl/compat/versions.py)
 MATRIX_TESTS=(
-  tests/test_plugin.py tests/test_version_matrix.py tests/test_demo_cpu.py
+  tests/test_plugin.py tests/test_version_matrix.py tests/test_demo_cpu.py tests/test_gpu_flags.py
   tests/test_malformed_updates.py tests/test_replayed_writes.py tests/test_prequantized_updates.py
-  tests/test_weight_updates.py tests/test_kv_scales.py
+  tests/test_weight_updates.py tests/test_client.py tests/test_session_client.py tests/test_sessions.py
+  tests/test_step_lifecycle.py tests/test_kv_engine.py tests/test_kv_scales.py
 )
 [ -n "${MATRIX_EXTRA_TESTS:-}" ] && MATRIX_TESTS+=($MATRIX_EXTRA_TESTS)
-status=0
+jobs=${MATRIX_JOBS:-2}
+logs=$(mktemp -d)
+versions=()
 for pins in requirements/sglang-*.txt; do
   version=${pins#requirements/sglang-}; version=${version%.txt}
-  [ "$version" = "$primary" ] && continue
+  [ "$version" = "$primary" ] || versions+=("$version")
+done
+status=0
+for version in "${versions[@]}"; do  # build (or reuse) each env; collecting one small test module does it
+  SGLANG_VERSION=$version bash scripts/cpu_test.sh -q --co tests/test_version_matrix.py >"$logs/$version.build" 2>&1 \
+    || { echo "[cpu_matrix] SGLang $version: env build failed"; cat "$logs/$version.build"; status=1; }
+done
+run() {
+  SGLANG_VERSION=$1 bash scripts/cpu_test.sh -q -p no:cacheprovider "${MATRIX_TESTS[@]}" "${@:2}" >"$logs/$1.log" 2>&1
+  echo $? >"$logs/$1.rc"
+}
+i=0
+for version in "${versions[@]}"; do
   echo "[cpu_matrix] SGLang $version: ${MATRIX_TESTS[*]}"
-  SGLANG_VERSION=$version bash scripts/cpu_test.sh -q "${MATRIX_TESTS[@]}" "$@" || status=1
+  run "$version" "$@" &
+  i=$((i + 1))
+  (( i % jobs == 0 )) && wait
+done
+wait
+for version in "${versions[@]}"; do
+  rc=$(cat "$logs/$version.rc" 2>/dev/null || echo 1)
+  echo "=============================== SGLang $version (exit $rc) ==============================="
+  grep -E "^(FAILED|ERROR) " "$logs/$version.log" | head -n 50
+  tail -n 3 "$logs/$version.log"
+  [ "$rc" = 0 ] || status=1
 done
 exit $status

@@ -18,11 +18,11 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from sglang_fp8rl.compat.runtime import load_bench_model, one_batch, prefill_request
+from sglang_fp8rl.compat.runtime import load_bench_model, no_graph_flags, one_batch, prefill_request
 
 # ModelRunner on CPU: torch-native attention, a small KV pool, no CUDA graphs
 CPU_SERVER_ARGS = ("--device", "cpu", "--dtype", "bfloat16", "--mem-fraction-static", "0.05", "--max-total-tokens",
-                   "512", "--cuda-graph-backend-decode=disabled", "--cuda-graph-backend-prefill=disabled")
+                   "512")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def build_runner(model_dir: str, server_args: Sequence[str] = (), tp_rank: int =
     from sglang.srt.entrypoints.engine import _set_envs_and_config
     from sglang.srt.server_args import PortArgs, prepare_server_args
 
-    args = prepare_server_args(["--model-path", model_dir, *CPU_SERVER_ARGS, *server_args])
+    args = prepare_server_args(["--model-path", model_dir, *CPU_SERVER_ARGS, *no_graph_flags(), *server_args])
     _set_envs_and_config(args)
     bench_runner, _ = load_bench_model(args, PortArgs.init_new(args), tp_rank)
     return bench_runner

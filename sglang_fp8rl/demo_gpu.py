@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from sglang_fp8rl.compat.runtime import decode_graph_flags
 from sglang_fp8rl.demo_common import (
     DEMO_DIMS,
     NEW_TOKENS,
@@ -37,8 +38,6 @@ DEMO_LINEAR_SHAPES = 4  # qkv, o_proj, gate_up, down: one DeepGEMM kernel each a
 SERVER_FLAGS = [
     "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
     "--grammar-backend", "none", "--dtype", "bfloat16", "--host", "127.0.0.1",
-    "--cuda-graph-bs-decode", "1",  # the demo decodes one sequence: capture that batch size only
-    "--cuda-graph-backend-prefill", "disabled",
     "--fp8rl-gemm-select", "off",
     "--fp8rl-jit-workers", str(DEMO_LINEAR_SHAPES),
 ]
@@ -56,9 +55,11 @@ class ServerStartError(RuntimeError):
 
 
 def server_command(model_dir: str, port: int, mem: float, extra: list[str]) -> list[str]:
-    """The stock launcher's command line for the demo model."""
+    """The stock launcher's command line for the demo model (CUDA-graph flags spelled for the installed SGLang)."""
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--port", str(port),
-            "--quantization", QUANTIZATION_NAME, "--mem-fraction-static", str(mem), *SERVER_FLAGS, *extra]
+            "--quantization", QUANTIZATION_NAME, "--mem-fraction-static", str(mem), *SERVER_FLAGS,
+            *decode_graph_flags(batch_sizes=[1]),  # the demo decodes one sequence: capture that batch size only
+            *extra]
 
 
 def fresh_cache_env(root: str) -> dict[str, str]:

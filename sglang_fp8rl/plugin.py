@@ -39,18 +39,39 @@ def _register() -> None:
     install_hooks()
 
 
+class _Unavailable(type):
+    """Metaclass of the stand-in method registered when registration failed: any use names the reason."""
+
+    reason = ""
+
+    def __getattr__(cls, name: str):
+        raise RuntimeError(f"--quantization {QUANTIZATION_NAME} is unavailable: {cls.reason}")
+
+    def __call__(cls, *args, **kwargs):
+        raise RuntimeError(f"--quantization {QUANTIZATION_NAME} is unavailable: {cls.reason}")
+
+
+def _refuse_at_start(reason: str) -> None:
+    """Keep the flag, but make a server that uses it stop at start with ``reason`` (SGLang only logs a plugin's
+    exception: without this the flag would be an argparse "invalid choice", or a server without our method)."""
+    try:
+        from sglang.srt.layers import quantization
+
+        _add_quantization_choice()
+        quantization.QUANTIZATION_METHODS[QUANTIZATION_NAME] = _Unavailable(
+            "Fp8OnlineBlockwiseUnavailable", (), {"reason": reason})
+    except Exception:  # noqa: BLE001 - SGLang itself does not import: nothing to register with; the log says why
+        logger.exception("[fp8rl] could not register the refusal of --quantization %s", QUANTIZATION_NAME)
+
+
 def register() -> None:
     """Register `fp8_online_blockwise` with SGLang (idempotent)."""
     try:
         _register()
     except (ImportError, AttributeError, RuntimeError, TypeError, ValueError) as e:
-        logger.error(
-            "sglang-fp8rl: registering --quantization %s FAILED: %s. The server will not accept that flag. "
-            "Fix: install a supported SGLang (%s; pip install 'sglang==%s'), "
-            "or unset SGLANG_PLUGINS if it excludes 'fp8_online_blockwise'.",
-            QUANTIZATION_NAME,
-            e,
-            ", ".join(SUPPORTED_SGLANG),
-            PRIMARY_SGLANG,
-        )
+        reason = (f"registering it FAILED: {e}. Fix: install a supported SGLang ({', '.join(SUPPORTED_SGLANG)}; "
+                  f"pip install 'sglang=={PRIMARY_SGLANG}'), or unset SGLANG_PLUGINS if it excludes "
+                  f"'{QUANTIZATION_NAME}'")
+        logger.error("sglang-fp8rl: --quantization %s: %s", QUANTIZATION_NAME, reason)
+        _refuse_at_start(reason)
         raise

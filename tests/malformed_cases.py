@@ -26,6 +26,9 @@ VICTIM = "model.layers.1.mlp.down_proj.weight"  # [256, 384]: not square, so a t
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 NORM = "model.layers.0.input_layernorm.weight"
+# a linear kept in BF16 (test_malformed_updates.py serves the suite with this --fp8rl-ignore), shaped like VICTIM
+BF16_KEPT = "model.layers.0.mlp.down_proj.weight"
+BF16_KEPT_PATTERN = r"^model\.layers\.0\.mlp\.down_proj$"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,19 @@ def _value(v: float, dtype: torch.dtype = torch.bfloat16) -> Callable:
         t.view(-1)[-1] = v
         return n, t
     return make
+
+
+def _short(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+def _aliased(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``name`` and its other spelling, each with its own copy of the values (as two trainer tensors would be)."""
+    return [(name, t), (_short(name), t.clone())]
+
+
+def _both_named(name: str) -> tuple[str, ...]:
+    return repr(name), repr(_short(name)), "write the same"
 
 
 # defect -> (make(name, tensor) -> (name, tensor), expect, words the message must contain)
@@ -115,6 +131,11 @@ DEFECTS: dict[str, tuple[Callable, str, tuple[str, ...]]] = {
     "zeros": (lambda n, t: (n, torch.zeros_like(t)), "apply", ()),
     "huge_finite": (_value(3.0e38), "apply", ()),
     "tiny": (lambda n, t: (n, t * 1e-30), "apply", ()),
+    # one parameter under two names (SGLang's Qwen3 loader also takes "layers.N..." without "model."): both would be
+    # written, in one multi-tensor copy or grouped launch on CUDA, where which one lands is undefined
+    "alias_fp8": (lambda n, t: _aliased(n, t), "reject", _both_named(VICTIM)),
+    "alias_bf16": (lambda n, t: _aliased(BF16_KEPT, t), "reject", _both_named(BF16_KEPT)),
+    "alias_norm": (lambda n, t: _aliased(NORM, torch.ones(256, dtype=torch.bfloat16)), "reject", _both_named(NORM)),
 }
 
 def _pair(mutate: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]) -> Callable:

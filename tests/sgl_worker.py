@@ -8,6 +8,7 @@ installed entry point.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -304,7 +305,7 @@ def scenario_kv(runner, extra: dict) -> dict:
     return out
 
 
-def session_manager(mr) -> "Any":
+def session_manager(mr) -> object:
     """SGLang's own SchedulerWeightUpdaterManager (0.5.21+) over this ModelRunner, as the scheduler builds it (the
     parts a CPU process has: no draft model, no memory saver, an idle engine whose cache flush succeeds)."""
     from types import SimpleNamespace
@@ -315,9 +316,13 @@ def session_manager(mr) -> "Any":
     worker = SimpleNamespace(model_runner=mr, weight_update_runners=lambda: [("target", mr)])
     worker.deserialize_own_rank = lambda payloads: TpModelWorker.deserialize_own_rank(worker, payloads)
     scheduler = SimpleNamespace(record_weight_version_change=lambda new_version=None: None)
-    return SchedulerWeightUpdaterManager(tp_worker=worker, draft_worker=None, memory_saver_adapter=None,
-                                         flush_cache=lambda **_: True, is_fully_idle=lambda **_: True,
-                                         scheduler=scheduler)
+    kwargs = dict(tp_worker=worker, draft_worker=None, memory_saver_adapter=None, flush_cache=lambda **_: True,
+                  is_fully_idle=lambda **_: True, scheduler=scheduler)
+    if any(f.name == "tp_cpu_group" and f.init for f in dataclasses.fields(SchedulerWeightUpdaterManager)):
+        from sglang.srt.distributed import parallel_state  # 0.5.21 takes the group; 0.5.23 reads it itself
+
+        kwargs["tp_cpu_group"] = parallel_state.get_tp_group().cpu_group
+    return SchedulerWeightUpdaterManager(**kwargs)
 
 
 class SessionEngine:
@@ -397,6 +402,88 @@ def differing_names(a: dict, b: dict) -> list[str]:
     return [name for name in a if not torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8))]
 
 
+def scenario_lifecycle(runner, extra: dict) -> dict:
+    """The step's defects as a hostile trainer meets them (issue items in brackets): a one-tensor disk update after a
+    failed write [6]; an atomic step refused in its apply round [7]; with an FP8 KV cache, trainer scales sent in an
+    early bucket [4] and a recalibration deferred while requests run, then retried when idle [5]."""
+    from types import SimpleNamespace
+
+    from sglang_fp8rl.hooks.kv_cache import recalibrate_if_due
+    from sglang_fp8rl.kv_scales.calibrate import kv_scale_record
+    from sglang_fp8rl.kv_scales.engine import kv_state
+    from sglang_fp8rl.kv_scales.layers import attention_layers, read_scales
+    from sglang_fp8rl.weight_sync import request as request_module
+    from sglang_fp8rl.weight_sync.client import WeightPushError, push_state_dict
+    from sglang_fp8rl.weight_sync.update import engine_state
+
+    mr = runner.torch_runner
+    model, updater = mr.model, updater_of(mr)
+    w1 = torch.load(extra["w1"], weights_only=False)
+    out: dict = {}
+    # [6] a failed write leaves the engine inconsistent; a one-tensor checkpoint must not make it consistent
+    with device_error_at_write(3):
+        out["failed"] = updater.update_weights_from_tensor(list(w1.items()))
+    out["one_tensor_disk"] = updater.update_weights_from_disk(extra["one_tensor_dir"], "auto")
+    out["consistent_after_one_tensor"] = engine_state().consistent
+    out["full_disk"] = updater.update_weights_from_disk(extra["w1_dir"], "auto")
+    out["consistent_after_full"] = engine_state().consistent
+    # [7] an atomic step whose second bucket is refused in the apply round (a rank-local failure while re-validating)
+    real_validate = request_module.validate_request
+    applied = {"n": 0}
+
+    def failing_in_apply(model_, load_weights, named, *args, **kwargs):
+        if getattr(model_, "_fp8rl_apply_round", False):
+            applied["n"] += 1
+            if applied["n"] == 2:
+                raise MemoryError("simulated out of memory while re-validating")
+        return real_validate(model_, load_weights, named, *args, **kwargs)
+
+    class Engine(RunnerEngine):
+        def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+            model.__dict__["_fp8rl_apply_round"] = load_format is None
+            return super().update_weights_from_tensor(named_tensors, load_format, flush_cache)
+
+    from sglang_fp8rl.hooks import weight_updater as hooks_updater
+
+    hooks_updater.validate_request = failing_in_apply
+    try:
+        push_state_dict(Engine(runner), w1, bucket_bytes=extra["bucket_bytes"])
+        out["atomic_error"] = None
+    except WeightPushError as e:
+        out["atomic_error"] = str(e)
+    finally:
+        hooks_updater.validate_request = real_validate
+        model.__dict__.pop("_fp8rl_apply_round", None)
+    out["consistent_after_broken_step"] = engine_state().consistent
+    out["dirty_after_broken_step"] = len(engine_state().dirty)
+    if not kv_state().calibrating:
+        return out
+    # [4] every layer's scales in the first bucket, the step's end in a later one: no recalibration, scales kept
+    layers = attention_layers(model)
+    scales = [(f"model.layers.{i}.self_attn.{kv}_scale", torch.tensor(0.5)) for i in range(len(layers))
+              for kv in ("k", "v")]
+    writes = kv_scale_record().as_dict()["writes"]
+    first = [(n, t) for n, t in w1.items() if "layers.0." in n]
+    rest = [(n, t) for n, t in w1.items() if "layers.0." not in n]
+    out["trainer_step"] = [updater.update_weights_from_tensor(first + scales),
+                           updater.update_weights_from_tensor(rest + [("fp8rl.step_complete", torch.zeros(()))])]
+    busy = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=mr), flush_cache=lambda: False)
+    idle = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=mr), flush_cache=lambda: True)
+    recalibrate_if_due(idle)
+    out["due_after_trainer_step"] = kv_state().due
+    out["scales_after_trainer_step"] = read_scales(layers)
+    out["writes_in_trainer_step"] = kv_scale_record().as_dict()["writes"] - writes
+    # [5] a step ends while requests run: deferred, still due; retried when idle
+    out["plain_step"] = updater.update_weights_from_tensor(list(w1.items()) + [("fp8rl.step_complete",
+                                                                                 torch.zeros(()))])
+    recalibrate_if_due(busy)
+    out["due_while_busy"] = kv_state().due
+    recalibrate_if_due(idle)
+    out["due_after_idle"] = kv_state().due
+    out["source_after_idle"] = kv_scale_record().as_dict().get("source")
+    return out
+
+
 def scenario_malformed(runner, extra: dict) -> dict:
     """The malformed-request suite (tests/malformed_cases.py), every case in this one process."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -408,7 +495,7 @@ def scenario_malformed(runner, extra: dict) -> dict:
 SCENARIOS = {"client": scenario_client, "load": scenario_load, "updates": scenario_updates, "leak": scenario_leak,
              "device_failure": scenario_device_failure, "malformed": scenario_malformed,
              "tp_fault": scenario_tp_fault, "atomic": scenario_atomic, "kv": scenario_kv,
-             "sessions": scenario_sessions}
+             "sessions": scenario_sessions, "lifecycle": scenario_lifecycle}
 
 
 def main() -> None:

@@ -569,6 +569,9 @@ class FakeEngine(BaseHTTPRequestHandler):
             self.reply(200, {})
             return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path in ("/begin_weight_update", "/end_weight_update"):  # an SGLang without sessions (0.5.17)
+            self.reply(404, {"detail": "Not Found"})
+            return
         if self.path == "/generate" and isinstance(body["input_ids"][0], list):
             n = body["sampling_params"]["max_new_tokens"]
             self.reply(200, [{"output_ids": [0] * n, "meta_info": {"finish_reason": {"type": "length"}}}

@@ -155,10 +155,13 @@ install_cpu_stubs()
 from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.server_args import prepare_server_args
+from sglang_fp8rl.compat.runtime import cuda_graph_config
 from sglang_fp8rl.kernels.jit_warmup import capture_token_counts
 args = prepare_server_args({cmd[3:]!r} + ["--device", "cpu"])
+config = cuda_graph_config(args)
+prefill = "disabled" if config is None else config.prefill.backend  # before 0.5.14 no prefill graph is captured
 print("RESULT", json.dumps({{"capture": capture_token_counts(args), "options": json.loads(os.environ["FP8RL_OPTIONS"]),
-                            "prefill": args.cuda_graph_config.prefill.backend, "quant": args.quantization}}))
+                            "prefill": prefill, "quant": args.quantization}}))
 """
     env = {k: v for k, v in os.environ.items() if k != "FP8RL_OPTIONS"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, check=False)

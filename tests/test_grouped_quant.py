@@ -126,7 +126,7 @@ def test_grouped_launch_splits_past_the_grid_y_limit(monkeypatch) -> None:
     items = [distinct[i % 3] for i in range(tg.MAX_TENSORS_PER_LAUNCH + 2)]
     assert tg.quantize_blockwise_grouped_launch(items, (128, 128), False) == 2
     assert [grid for grid, _ in kernel.launches] == [(1, tg.MAX_TENSORS_PER_LAUNCH), (1, 2)]
-    assert sum((ptrs for _, ptrs in kernel.launches), []) == [w.data_ptr() for w, _, _ in items]
+    assert [ptr for _, ptrs in kernel.launches for ptr in ptrs] == [w.data_ptr() for w, _, _ in items]
     kernel.launches.clear()
     assert tg.quantize_blockwise_grouped_launch(items[:7], (128, 128), False, max_tensors=3) == 3
     assert [grid[1] for grid, _ in kernel.launches] == [3, 3, 1]

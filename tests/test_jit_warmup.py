@@ -125,7 +125,7 @@ FAKE_RUNNER = textwrap.dedent('''
         if job.m == 5:
             os._exit(3)
         if job.m == 9:
-            time.sleep(30)
+            time.sleep(600)  # a hung compile: only the pool's timeout ends it
         if 10 <= job.m < 40:
             time.sleep(0.2)  # a compile takes seconds: every worker gets some
     ''')
@@ -199,7 +199,9 @@ def test_pool_keeps_its_workers_between_rounds(fake_runner):
 
 
 def test_pool_after_a_timeout_runs_nothing(fake_runner):
-    with jw.WarmupPool(1, runner=fake_runner.spec, env=fake_runner.env, timeout_s=3) as pool:
+    # the timeout must leave a worker time to start on a loaded 2-core machine (3 s once did not), and stay far below
+    # the hung job's sleep
+    with jw.WarmupPool(1, runner=fake_runner.spec, env=fake_runner.env, timeout_s=20) as pool:
         assert pool.run(jobs_for([9])).timed_out
         later = pool.run(jobs_for([10]))
     assert (later.done, later.failed) == (0, 1)

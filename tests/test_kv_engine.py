@@ -125,3 +125,29 @@ def test_batch_within_free_request_slots():
     assert batch_within(ids, 6, free_requests=2) == [[1, 2, 3], [5, 6, 7]]
     with pytest.raises(ValueError, match="no request slot"):
         batch_within(ids, 100, free_requests=0)
+
+
+def test_a_refused_flush_after_an_update_does_not_kill_the_scheduler_and_is_retried_when_idle(monkeypatch):
+    """Up to 0.5.21 SGLang asserts the cache flush after an update, so an update answered while requests run (its
+    in-place pause) kills the scheduler; with the plugin the refusal is remembered and the flush runs when idle."""
+    from types import SimpleNamespace
+
+    from sglang_fp8rl.hooks import kv_cache
+    from sglang_fp8rl.weight_sync import update
+
+    flushes = []
+    model = SimpleNamespace()
+    manager = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)),
+                              flush_cache=lambda: flushes.append("flush") or len(flushes) > 1)
+
+    def original(self, recv_req):
+        assert self.flush_cache(), "Cache flush failed after updating weights"  # SGLang's own, up to 0.5.21
+
+    monkeypatch.setattr(kv_cache, "is_attached", lambda m: m is model)  # a model served by the plugin
+    monkeypatch.setattr(kv_cache.updates, "scheduler_update_manager", lambda s: s.weight_updater)
+    monkeypatch.setattr(update.engine_state(), "flush_due", False)
+    kv_cache.wrap_flush_after_update(original)(manager, SimpleNamespace(flush_cache=True))  # refused, no assert
+    assert update.engine_state().flush_due and flushes == ["flush"]
+    scheduler = SimpleNamespace(is_fully_idle=lambda: True, weight_updater=manager)
+    kv_cache.wrap_on_idle(lambda self: None)(scheduler)
+    assert not update.engine_state().flush_due and flushes == ["flush", "flush"]

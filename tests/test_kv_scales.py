@@ -653,9 +653,9 @@ def test_tp2_ranks_agree_and_match_tp1(tmp_path):
 
 @pytest.mark.slow
 def test_tp2_failed_calibration_forward_on_one_rank_fails_on_both(tmp_path):
-    """Rank 1's calibration forward runs out of memory: the ranks agree before the amax all-reduce, so neither waits
-    in it; both raise the same failure, naming rank 1, and keep their scales (the served ones, not the start-up
-    ones the forward runs under); a calibration after it works on both."""
+    """Rank 1's calibration forward runs out of memory at its end: the ranks agree before the amax all-reduce, so
+    rank 0 does not wait in it; both raise the same failure, naming rank 1, and keep their scales (the served ones,
+    not the start-up ones the forward runs under); a calibration after it works on both."""
     from sgl_model import TINY, write_checkpoint
 
     write_checkpoint(str(tmp_path / "w"), dict(TINY, num_key_value_heads=2), seed=4)
@@ -738,8 +738,9 @@ def scenario_fault(runner):
     group = mr.tp_group.device_group
     real_forward = calibrate.calibration_forward
     if mr.tp_group.rank_in_group == 1:
-        def out_of_memory(*args, **kwargs):
-            raise torch.OutOfMemoryError("simulated: out of memory in the calibration forward")
+        def out_of_memory(*args, **kwargs):  # after the forward's own TP collectives, which rank 0 then leaves
+            real_forward(*args, **kwargs)
+            raise torch.OutOfMemoryError("simulated: out of memory at the end of the calibration forward")
         calibrate.calibration_forward = out_of_memory
     started, error = time.perf_counter(), None
     try:

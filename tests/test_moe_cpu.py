@@ -210,3 +210,83 @@ def test_tp2_update_slices_experts_per_rank(models):
                     assert torch.equal(params[f"{prefix}.{fused}_weight_scale_inv"][e], s), (rank, prefix, e, fused)
     for got, other in zip(ranks[0]["logits"], ranks[1]["logits"]):
         assert torch.isfinite(got).all() and torch.equal(got, other)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a MoE layer kept in BF16 (SGLang's UnquantizedFusedMoEMethod: w13 [E, 2I, H], w2 [E, H, I])
+
+BF16_FIRST = ("--fp8rl-bf16-first-layers", "1")
+WRONG_EXPERT = "model.layers.0.mlp.experts.1.gate_proj.weight"
+
+
+def experts_of(sd: dict, layer: int) -> list[tuple[str, torch.Tensor]]:
+    """Every expert tensor of one layer (gate/up/down of each expert)."""
+    prefix = EXPERTS.format(layer=layer) + "."
+    return [(n, t) for n, t in sd.items() if n.startswith(prefix)]
+
+
+def wrong_expert_request(sd: dict) -> dict:
+    """One expert tensor of half its hidden size: SGLang's loader alone would fill only part of the expert's slice."""
+    return {"tensors": [(WRONG_EXPERT, sd[WRONG_EXPERT][:, :128])]}
+
+
+def assert_refused_naming_the_expert(answer: tuple) -> None:
+    ok, message = answer
+    assert not ok and WRONG_EXPERT in message and "(256, 128)" in message and "nothing was written" in message, message
+
+
+def test_bf16_kept_moe_layer_takes_expert_updates(models):
+    """--fp8rl-bf16-first-layers 1: every expert of layer 0 (BF16) in one update is accepted and leaves exactly what
+    a fresh load of those weights gives (layer 1 stays FP8 and untouched); a wrong-shape expert tensor is refused."""
+    d = models["dir"]
+    experts = experts_of(models["w1"], 0)
+    write_moe_checkpoint(str(d / "mixed"), TINY_MOE, seed=0, state_dict={**models["w0"], **dict(experts)})
+    cold = run_worker("load", str(d / "mixed"), str(d / "cold_mixed.pt"), *QUANT, *BF16_FIRST)
+    assert cold["report"]["decisions"][EXPERTS.format(layer=0)][0] == "bf16"
+    requests = [wrong_expert_request(models["w1"]), {"tensors": experts}]
+    out = run_update_requests(str(d / "w0"), d, "bf16_moe", requests, *QUANT, *BF16_FIRST)
+    assert_refused_naming_the_expert(out["answers"][0])
+    w13 = out["params_after"][0][EXPERTS.format(layer=0) + ".w13_weight"]
+    w0_expert = EXPERTS.format(layer=0) + ".1."
+    assert torch.equal(w13[1], torch.cat([models["w0"][w0_expert + "gate_proj.weight"],
+                                          models["w0"][w0_expert + "up_proj.weight"]]))  # nothing written
+    assert out["answers"][1][0], out["answers"][1]
+    assert_same_params(out["final_params"], cold["params"])
+    assert out["ptrs_before"] == out["ptrs_after"] and out["state"]["consistent"]
+
+
+def test_bf16_kept_moe_layer_tp2_writes_each_ranks_slice(models):
+    """TP 2, layer 0 in BF16: each rank's w13[e] / w2[e] hold exactly its half of cat(gate, up) / down after an
+    update of every expert of layer 0; a wrong-shape expert tensor is refused on both ranks."""
+    d = models["dir"]
+    dims = dict(TINY_MOE, num_key_value_heads=2)
+    write_moe_checkpoint(str(d / "bf16_tp2_w0"), dims, seed=26)
+    sd = random_moe_state_dict(dims, seed=27)
+    path = str(d / "bf16_tp2.req.pt")
+    torch.save([wrong_expert_request(sd), {"tensors": experts_of(sd, 0)}], path)
+    ranks = run_tp_workers("updates", str(d / "bf16_tp2_w0"), str(d / "bf16_tp2"), 2, *QUANT, *BF16_FIRST,
+                           extra={"requests": path, "params_each": False})
+    prefix = EXPERTS.format(layer=0)
+    for rank, out in enumerate(ranks):
+        assert_refused_naming_the_expert(out["answers"][0])
+        assert out["answers"][1][0], out["answers"][1]
+        part = slice(128 * rank, 128 * (rank + 1))
+        params = out["final_params"]
+        for e in range(TINY_MOE["num_experts"]):
+            ckpt = f"{prefix}.{e}."
+            w13 = torch.cat([sd[ckpt + "gate_proj.weight"][part], sd[ckpt + "up_proj.weight"][part]])
+            assert torch.equal(params[prefix + ".w13_weight"][e], w13), (rank, e)
+            assert torch.equal(params[prefix + ".w2_weight"][e], sd[ckpt + "down_proj.weight"][:, part]), (rank, e)
+
+
+def test_validate_only_round_against_a_stock_bf16_moe_engine(models):
+    """The client's all-or-nothing step first sends every bucket as load_format="fp8rl.validate"; a stock BF16 MoE
+    engine (no --quantization) validates every expert tensor, refuses a wrong-shape one, and writes nothing."""
+    d = models["dir"]
+    validate = "fp8rl.validate"
+    requests = [{"tensors": experts_of(models["w1"], 0) + experts_of(models["w1"], 1), "load_format": validate},
+                {**wrong_expert_request(models["w1"]), "load_format": validate}]
+    out = run_update_requests(str(d / "w0"), d, "stock_validate", requests)
+    assert out["answers"][0][0] and "validated" in out["answers"][0][1], out["answers"][0]
+    assert_refused_naming_the_expert(out["answers"][1])
+    assert_same_params(out["final_params"], models["bf16_w0"]["params"])

@@ -110,7 +110,7 @@ def test_stream_is_validated_in_chunks(monkeypatch):
     seen = []
     real = R.validate_request
     monkeypatch.setattr(R, "validate_request",
-                        lambda m, lw, named: seen.append(len(named)) or real(m, lw, named))
+                        lambda m, lw, named, *rest: seen.append(len(named)) or real(m, lw, named, *rest))
     stream = [good()[0], good()[1]]
     assert R.validate_stream(model, model.load_weights, iter(stream), chunk=1).names == ["a", "b"]
     assert seen == [1, 1]
@@ -118,6 +118,23 @@ def test_stream_is_validated_in_chunks(monkeypatch):
     assert R.validate_stream(model, model.load_weights, iter(stream)).names == ["a", "b"] and seen == [2]
     with pytest.raises(U.UpdateRejected, match="appears more than once"):
         R.validate_stream(model, model.load_weights, iter(stream + [good()[0]]))
+
+
+class AliasModel(TinyModel):
+    """Takes every name also as ``alias.<name>``, as SGLang's Qwen3 takes ``layers.N`` for ``model.layers.N``."""
+
+    def load_weights(self, weights):
+        super().load_weights((name.removeprefix("alias."), tensor) for name, tensor in weights)
+
+
+def test_two_names_for_one_parameter_are_refused_in_a_request_and_across_stream_chunks():
+    model = AliasModel()
+    a, b = good()
+    with pytest.raises(U.UpdateRejected, match="'a' and 'alias.a' write the same a "):
+        R.validate_request(model, model.load_weights, [a, ("alias.a", a[1].clone())])
+    with pytest.raises(U.UpdateRejected, match="'alias.b' and 'b' write the same b "):
+        R.validate_stream(model, model.load_weights, iter([("alias.b", b[1]), a, b]), chunk=1)
+    assert R.validate_request(model, model.load_weights, [("alias.a", a[1]), b]).names == ["alias.a", "b"]
 
 
 def test_dry_run_is_remembered_per_request_signature():

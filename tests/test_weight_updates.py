@@ -83,6 +83,21 @@ def test_partial_update_changes_exactly_its_rows(models):
     assert out["ptrs_before"] == out["ptrs_after"]
 
 
+def test_an_empty_flattened_bucket_is_a_no_op(models):
+    """slime pads a rank that has no tensors (expert parallelism) with an empty flattened bucket: stock SGLang answers
+    success and writes nothing, and so does the plugin; a bucket with bytes but no metadata is still refused."""
+    empty = {"flattened_tensor": torch.empty(0, dtype=torch.uint8), "metadata": []}
+    unexplained = {"flattened_tensor": torch.zeros(16, dtype=torch.uint8), "metadata": []}
+    out = run_requests(models, "empty_bucket", [{"kind": "bucket", "bucket": empty},
+                                                {"kind": "bucket", "bucket": unexplained}])
+    (ok, message), (ok_bad, message_bad) = out["answers"]
+    assert ok, message
+    assert not ok_bad and "no metadata holds 16 bytes" in message_bad
+    for name, value in out["final_params"].items():
+        assert torch.equal(as_bytes(value), as_bytes(models["cold_w0"]["params"][name])), name
+    assert out["ptrs_before"] == out["ptrs_after"] and out["state"]["consistent"]
+
+
 def bad_requests(models) -> list[tuple[str, dict, str]]:
     """(case, request, expected message fragment): each must be refused with nothing written."""
     w1 = models["w1"]
@@ -240,3 +255,33 @@ def test_bf16_engine_answers_the_clients_step_protocol(models, tmp_path):
         assert_same_params(later, first)
     norm = "model.layers.0.input_layernorm.weight"
     assert torch.equal(out["final_params"][norm], models["w1"][norm]) and not torch.equal(first[norm], models["w1"][norm])
+
+
+def test_two_names_for_one_parameter_are_refused(tmp_path):
+    """SGLang's Qwen3 loader takes ``model.layers.N...`` and ``layers.N...``: one request naming a parameter both ways
+    would write it twice (on CUDA in one multi-tensor copy or one grouped launch, where which one lands is undefined).
+    Refused, naming both tensors, for an FP8 layer, a layer kept in BF16 and a norm, as lists and flattened buckets;
+    the same name twice is still refused; one name of either spelling alone is applied."""
+    keep = ("--fp8rl-ignore", r"^model\.layers\.0\.mlp\.down_proj$")
+    write_checkpoint(str(tmp_path / "w0"), TINY, seed=12)
+    w1 = random_state_dict(TINY, seed=13)
+    targets = ["model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight",
+               "model.layers.0.input_layernorm.weight"]
+    pairs = [[(name, w1[name]), (name.removeprefix("model."), w1[name].clone())] for name in targets]
+    requests = [{"kind": "tensor", "tensors": pair} for pair in pairs]
+    requests += [{"kind": "bucket", "bucket": bucket(pair)} for pair in pairs]
+    same_name_twice, short_name_alone = [pairs[0][0], pairs[0][0]], [pairs[0][1]]
+    requests += [{"kind": "tensor", "tensors": same_name_twice}, {"kind": "tensor", "tensors": short_name_alone}]
+    out = run_update_requests(str(tmp_path / "w0"), tmp_path, "alias", requests, *QUANT, *keep)
+    cold = run_worker("load", str(tmp_path / "w0"), str(tmp_path / "cold.pt"), *QUANT, *keep)
+    assert cold["report"]["decisions"]["model.layers.0.mlp.down_proj"][0] == "bf16"
+    answers, params = out["answers"], out["params_after"]
+    for (ok, message), after, name in zip(answers[:6], params[:6], targets * 2):
+        assert not ok and "nothing was written" in message, message
+        assert repr(name) in message and repr(name.removeprefix("model.")) in message, message
+        assert_same_params(after, cold["params"])
+    assert not answers[6][0] and "more than once" in answers[6][1], answers[6]
+    assert answers[7][0], answers[7]
+    changed = {n for n, p in params[7].items() if not torch.equal(as_bytes(p), as_bytes(cold["params"][n]))}
+    assert changed == {"model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.o_proj.weight_scale_inv"}
+    assert out["state"]["consistent"]

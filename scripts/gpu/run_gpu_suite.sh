@@ -2,7 +2,7 @@
 # run_gpu_suite.sh STAGE... : the GPU measurement suite of sglang-fp8rl, on the lent GPU machine (one H100).
 #
 # Stages (run in the order given; each has a timeout, and the whole call a DEADLINE so it ends inside the
-# device tool's 600 s per-command limit; a stage that cannot get its minimum time is skipped, not started):
+# GPU machine's 600 s per-command limit; a stage that cannot get its minimum time is skipped, not started):
 #   tests     python -m pytest $TESTS -q -m gpu (TESTS default "tests/gpu tests/test_kv_scales.py"; T_TESTS, 480 s)
 #   accuracy  scripts/train_toy_policy.py (skipped when $WORK/toy already holds a checkpoint: warm machine)
 #             then scripts/accuracy_regression.py --task addition (BF16 vs fp8_online_blockwise)  (~4-6 min cold)
@@ -41,7 +41,7 @@
 # Expected times are estimates from shared/gpu/README.md's measurements (server import 24-34 s, bench_one_batch
 # 40-110 s per config), not measured with these scripts.
 #
-# How to call it with the device tool (see scripts/gpu/env.sh; .gpu/ is built once on the CPU machine with
+# How to call it on the GPU machine (see scripts/gpu/env.sh; .gpu/ is built once on the CPU machine with
 # shared/gpu/make_wheelhouse.sh .gpu):
 #   call 1  carry [".gpu/bin", ".gpu/bundle1"]:  source scripts/gpu/env.sh; echo "env rc=$?"         (rc=3 expected)
 #   call 2  IMMEDIATELY after, carry [".gpu/bin", ".gpu/bundle2"]:

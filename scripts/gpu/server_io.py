@@ -3,6 +3,7 @@ outputs with logprobs, the plugin's telemetry, raw update requests, and a thread
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -17,9 +18,25 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400, 500, 600], [42] * 12]
 NEW_TOKENS = 16
 TRAFFIC_PROMPTS = [[7 * i + j for j in range(1, 10 + i)] for i in range(8)]  # 8 distinct prompts, one batch
 TRAFFIC_TOKENS = 64
-COMMON = ["--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
-          "--grammar-backend", "none", "--dtype", "bfloat16", "--cuda-graph-max-bs-decode", "8",
-          "--cuda-graph-backend-prefill", "disabled", "--host", "127.0.0.1"]
+BASE_FLAGS = ["--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+              "--grammar-backend", "none", "--dtype", "bfloat16", "--host", "127.0.0.1"]
+DECODE_GRAPH_MAX_BS = 8  # decode CUDA graphs up to 8 sequences (the traffic batch); no prefill graphs
+
+
+@functools.cache
+def common_flags() -> tuple[str, ...]:
+    """The launch flags every server of these scripts gets, the CUDA-graph ones spelled for the installed SGLang."""
+    from sglang_fp8rl.compat.runtime import decode_graph_flags
+
+    return (*BASE_FLAGS, *decode_graph_flags(max_bs=DECODE_GRAPH_MAX_BS))
+
+
+def __getattr__(name: str) -> Any:
+    """``COMMON`` (a list of common_flags()), built on first use: the graph flags are read off SGLang's ServerArgs,
+    an import of seconds that the scripts which only poll a server don't need."""
+    if name == "COMMON":
+        return list(common_flags())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def url(port: int) -> str:
@@ -32,7 +49,7 @@ def launch(model: str, port: int, log: str, *extra: str, mem: float = 0.3) -> su
     env = dict(os.environ, SGLANG_KERNEL_API_LOGLEVEL="1", SGLANG_KERNEL_API_LOGDEST=log + ".kapi_%i.log",
                SGLANG_JIT_DEEPGEMM_PRECOMPILE="0")
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
-           "--quantization", "fp8_online_blockwise", "--mem-fraction-static", str(mem), *COMMON, *extra]
+           "--quantization", "fp8_online_blockwise", "--mem-fraction-static", str(mem), *common_flags(), *extra]
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 

@@ -129,3 +129,102 @@ def decode_graph_limit_fields(namespace: Any) -> tuple[str, str]:
     if hasattr(namespace, "cuda_graph_max_bs_decode"):
         return "cuda_graph_max_bs_decode", "cuda_graph_bs_decode"
     return "cuda_graph_max_bs", "cuda_graph_bs"
+
+
+def decode_graph_flags(batch_sizes: Sequence[int] | None = None, max_bs: int | None = None) -> list[str]:
+    """launch_server flags that capture decode CUDA graphs for ``batch_sizes`` (or SGLang's sizes up to ``max_bs``;
+    its defaults when both are None) and turn the prefill CUDA graph off, named after the installed ServerArgs'
+    fields: ``--cuda-graph-bs-decode`` / ``--cuda-graph-max-bs-decode`` and ``--cuda-graph-backend-prefill disabled``
+    from 0.5.15 (one setting per phase; the older flags became deprecated aliases there), ``--cuda-graph-bs`` /
+    ``--cuda-graph-max-bs`` and ``--disable-piecewise-cuda-graph`` before (prefill graphs were the piecewise ones).
+    The fields are a dataclass's up to 0.5.20 and a msgspec Struct's from 0.5.21."""
+    if batch_sizes is not None and max_bs is not None:
+        # before 0.5.15 an explicit list overrides the max (SGLang sets max = max(list)): one of the two is the request
+        raise ValueError("decode_graph_flags takes batch_sizes or max_bs, not both")
+    fields = server_arg_fields()
+    if "cuda_graph_bs_decode" in fields:
+        bs_flag, max_flag = "--cuda-graph-bs-decode", "--cuda-graph-max-bs-decode"
+    elif "cuda_graph_bs" in fields:
+        bs_flag, max_flag = "--cuda-graph-bs", "--cuda-graph-max-bs"
+    else:
+        raise RuntimeError("this SGLang's ServerArgs has neither cuda_graph_bs_decode nor cuda_graph_bs")
+    if "cuda_graph_backend_prefill" in fields:
+        prefill_off = ["--cuda-graph-backend-prefill", "disabled"]
+    elif "disable_piecewise_cuda_graph" in fields:
+        prefill_off = ["--disable-piecewise-cuda-graph"]
+    else:
+        raise RuntimeError("this SGLang's ServerArgs has neither cuda_graph_backend_prefill nor "
+                           "disable_piecewise_cuda_graph")
+    flags: list[str] = []
+    if batch_sizes is not None:
+        sizes = [int(b) for b in batch_sizes]
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"decode graph batch sizes must be positive, got {list(batch_sizes)}")
+        flags += [bs_flag, *(str(b) for b in sizes)]
+    if max_bs is not None:
+        if int(max_bs) < 1:
+            raise ValueError(f"decode graph max batch size must be positive, got {max_bs}")
+        flags += [max_flag, str(int(max_bs))]
+    return flags + prefill_off
+
+
+def cuda_graph_config(args: Any) -> Any:
+    """The resolved CUDA-graph capture configuration (``.decode`` / ``.prefill``, each with ``backend`` and ``bs``):
+    a ServerArgs field up to 0.5.20; from 0.5.21 a resolution declared over the arguments, read through
+    ``arg_groups.overrides.resolved_view`` (the field itself keeps the user's raw input). None before 0.5.14, whose
+    ServerArgs had flat ``cuda_graph_bs`` / ``disable_cuda_graph`` fields instead."""
+    try:
+        from sglang.srt.arg_groups.overrides import resolved_view
+    except ImportError:
+        return getattr(args, "cuda_graph_config", None)
+    return getattr(resolved_view(args), "cuda_graph_config", None)
+
+
+def captured_token_counts(args: Any) -> list[int]:
+    """Token counts SGLang captures CUDA graphs for: decode batch sizes and prefill token counts of every phase whose
+    backend is not ``disabled`` (from the resolved configuration, :func:`cuda_graph_config`); before 0.5.14 the flat
+    ``cuda_graph_bs`` list unless ``disable_cuda_graph`` (decode only: those releases capture no prefill graph
+    through it)."""
+    config = cuda_graph_config(args)
+    if config is None:
+        if getattr(args, "disable_cuda_graph", False):
+            return []
+        return sorted({int(b) for b in (getattr(args, "cuda_graph_bs", None) or ()) if int(b) > 0})
+    counts: set[int] = set()
+    for phase in ("decode", "prefill"):
+        phase_config = getattr(config, phase, None)
+        if phase_config is None or getattr(phase_config, "backend", "disabled") == "disabled":
+            continue
+        counts.update(int(b) for b in (getattr(phase_config, "bs", None) or ()) if int(b) > 0)
+    return sorted(counts)
+
+
+def server_arg_fields() -> set[str]:
+    """The names of SGLang's ServerArgs fields: a dataclass's up to 0.5.20, a msgspec Struct's from 0.5.21."""
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+
+    if dataclasses.is_dataclass(ServerArgs):
+        return {f.name for f in dataclasses.fields(ServerArgs)}
+    return set(getattr(ServerArgs, "__struct_fields__", ()))
+
+
+def no_graph_flags() -> list[str]:
+    """Command-line flags that turn every CUDA/CPU graph capture off: ``--cuda-graph-backend-{decode,prefill}
+    disabled`` from 0.5.15, ``--disable-cuda-graph`` before (and ``--disable-piecewise-cuda-graph`` where it exists,
+    which those releases use for prefill)."""
+    fields = server_arg_fields()
+    if "cuda_graph_backend_decode" in fields:
+        return ["--cuda-graph-backend-decode=disabled", "--cuda-graph-backend-prefill=disabled"]
+    return ["--disable-cuda-graph"] + (["--disable-piecewise-cuda-graph"]
+                                       if "disable_piecewise_cuda_graph" in fields else [])
+
+
+def fp8_kernel_module() -> Any:
+    """SGLang's FP8 quantization kernels (``sglang_per_token_group_quant_fp8``): ``sglang.kernels.ops.quantization
+    .fp8_kernel`` from 0.5.17, ``sglang.srt.layers.quantization.fp8_kernel`` before (the module moved)."""
+    try:
+        return importlib.import_module("sglang.kernels.ops.quantization.fp8_kernel")
+    except ModuleNotFoundError:
+        return importlib.import_module("sglang.srt.layers.quantization.fp8_kernel")

@@ -140,3 +140,13 @@ def update_from_distributed(updater: Any, **request: Any) -> tuple[bool, str]:
     except Exception as e:  # noqa: BLE001 - SGLang's scheduler answers a failed receive the same way
         return False, f"Failed to receive weights: {e}"
     return updater.load_weights_from_distributed(weights)
+
+
+def flush_after_update_asserts() -> bool:
+    """Up to 0.5.21, ``flush_cache_after_weight_update(recv_req)`` asserts that the cache flushed, so an update
+    answered while requests run (SGLang's in-place pause) kills the scheduler; from 0.5.22 it takes the answer and
+    turns a failed flush into ``success=False``."""
+    import inspect
+
+    method = getattr(scheduler_update_owner(), "flush_cache_after_weight_update", None)
+    return method is not None and len(inspect.signature(method).parameters) == 2  # (self, recv_req)

@@ -74,6 +74,8 @@ def install_hooks() -> None:
     if updates.has_update_sessions():
         patch(updates.scheduler_update_owner(), "begin_weight_update", sessions.wrap_begin)
         patch(updates.scheduler_update_owner(), "end_weight_update", sessions.wrap_end)
+    if updates.flush_after_update_asserts():
+        patch(updates.scheduler_update_owner(), "flush_cache_after_weight_update", kv_cache.wrap_flush_after_update)
     patch(Scheduler, "on_idle", kv_cache.wrap_on_idle)
     patch(Scheduler, "get_internal_state", scheduler.wrap_internal_state)
     patch(Scheduler, "handle_generate_request", scheduler.wrap_generate)

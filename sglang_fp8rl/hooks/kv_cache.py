@@ -33,6 +33,7 @@ from sglang_fp8rl.kv_scales.numerics import saturating_scale_
 from sglang_fp8rl.server_args import get_options
 from sglang_fp8rl.compat import updates
 from sglang_fp8rl.weight_sync.consensus import Verdict, agree
+from sglang_fp8rl.weight_sync.update import engine_state, is_attached
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ def tp_device_group() -> Optional[Any]:
 def calibrate_now(runner: Any) -> None:
     """Measure and write the KV scales (every TP rank together; the batch fits the free KV slots)."""
     state = kv_state()
-    ids = batch_within(state.token_ids, runner.token_to_kv_pool_allocator.available_size())
+    ids = batch_within(state.token_ids, runner.token_to_kv_pool_allocator.available_size(),
+                       runner.req_to_token_pool.available_size())
     recalibrate(runner, ids, state.policy, tp_device_group(), under=state.calibrated_under or None)
 
 
@@ -126,7 +128,8 @@ def ready_to_calibrate(manager: Any, runner: Any) -> Verdict:
     if not manager.flush_cache():
         return Verdict(False, "requests are running")
     try:
-        batch_within(kv_state().token_ids, runner.token_to_kv_pool_allocator.available_size())
+        batch_within(kv_state().token_ids, runner.token_to_kv_pool_allocator.available_size(),
+                     runner.req_to_token_pool.available_size())
     except ValueError as e:
         return Verdict(False, str(e))
     return Verdict(True)
@@ -252,13 +255,33 @@ def wrap_scheduler_update(original: Callable) -> Callable:
     return update
 
 
+def wrap_flush_after_update(original: Callable) -> Callable:
+    """flush_cache_after_weight_update up to 0.5.21 (which asserts the flush): a flush refused because requests run
+    (SGLang's in-place pause) no longer kills the scheduler; it is logged and retried when the engine is idle (the
+    running requests keep their own KV; a due recalibration waits for the same idle moment)."""
+    def flush_cache_after_weight_update(self, recv_req, *args, **kwargs):
+        if not is_attached(self.tp_worker.model_runner.model):
+            return original(self, recv_req, *args, **kwargs)
+        if getattr(recv_req, "flush_cache", False) and not self.flush_cache():
+            engine_state().flush_due = True
+            logger.warning("[fp8rl] the cache was not flushed after this update (requests are running); it is "
+                           "flushed as soon as the engine is idle")
+        return None
+
+    return flush_cache_after_weight_update
+
+
 def wrap_on_idle(original: Callable) -> Callable:
-    """Scheduler.on_idle: SGLang's idle housekeeping, then a recalibration left due because requests were running
-    (every TP rank polls this in step; it costs one flag check when nothing is due)."""
+    """Scheduler.on_idle: SGLang's idle housekeeping, then a cache flush and a recalibration left due because requests
+    were running (every TP rank polls this in step; it costs two flag checks when nothing is due)."""
     def on_idle(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        if kv_state().due and self.is_fully_idle():
-            recalibrate_if_due(updates.scheduler_update_manager(self))
+        state = engine_state()
+        if (state.flush_due or kv_state().due) and self.is_fully_idle():
+            manager = updates.scheduler_update_manager(self)
+            if state.flush_due and manager.flush_cache():
+                state.flush_due = False
+            recalibrate_if_due(manager)
         return result
 
     return on_idle

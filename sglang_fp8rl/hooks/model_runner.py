@@ -49,7 +49,10 @@ def wrap_load_model(original: Callable) -> Callable:
         if attach(self.model):
             logger.info("[fp8rl] weight updates of this model are validated and re-quantized in place")
             set_up_kv_scales(self)
-            prepare_gemms(self)
+            try:
+                prepare_gemms(self)
+            except Exception:  # noqa: BLE001 - an optimisation: its failure must not stop the server from starting
+                logger.exception("[fp8rl] block-FP8 GEMM selection failed; every shape uses SGLang's own dispatch")
         return result
 
     return load_model

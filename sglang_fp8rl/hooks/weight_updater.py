@@ -125,9 +125,11 @@ def check_bucket_metadata(flattened: Any, metadata: Any) -> list[FlattenedTensor
         got = f"{flattened.dtype} of shape {tuple(flattened.shape)}" if isinstance(flattened, torch.Tensor) \
             else type(flattened).__name__
         raise UpdateRejected(f"flattened_tensor must be a 1-D uint8 tensor, got {got}")
-    if not isinstance(metadata, (list, tuple)) or not metadata:
-        raise UpdateRejected("a flattened bucket needs a non-empty metadata list")
+    if not isinstance(metadata, (list, tuple)):
+        raise UpdateRejected(f"a flattened bucket's metadata must be a list, got {type(metadata).__name__}")
     size = flattened.numel()
+    if not metadata and size:  # an empty bucket (slime pads ranks without tensors with one) is a no-op; bytes are not
+        raise UpdateRejected(f"a flattened bucket with no metadata holds {size} bytes: nothing says what they are")
     checked = []
     for meta in metadata:
         name = check_name(getattr(meta, "name", None))
@@ -286,8 +288,10 @@ def validate_checkpoint_on_disk(updater: Any, model_path: str, load_format: str,
             weights = ((name, w) for name, w in weights if weight_name_filter(name))
         validated = validate_stream(model, original_load_weights(model), pair_stream(weights))
     logger.info("[fp8rl] disk checkpoint %s validated (%d tensors); loading", model_path, len(validated.names))
-    full = weight_name_filter is None
-    return guard.Prepared(validated, tensors=len(validated.names), full=full, step_complete=full)
+    # the step ends with any unfiltered checkpoint; only one that reaches every parameter clears what a failed update
+    # left dirty (a one-tensor checkpoint would otherwise mark a half-written model consistent)
+    return guard.Prepared(validated, tensors=len(validated.names), full=validated.complete,
+                          step_complete=weight_name_filter is None)
 
 
 def wrap_update_from_disk(original: Callable) -> Callable:

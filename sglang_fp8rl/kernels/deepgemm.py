@@ -18,6 +18,8 @@ from types import ModuleType
 
 import torch
 
+from sglang_fp8rl.compat.runtime import fp8_kernel_module
+
 PRECOMPILE_ENV = "SGLANG_JIT_DEEPGEMM_PRECOMPILE"  # SGLang's "compile every M at the first call" switch
 AUTO_BACKEND = "auto"  # SGLang's --fp8-gemm-backend default; any other value is a backend the user named
 N_MULTIPLE = 64
@@ -76,9 +78,7 @@ def sglang_deep_gemm_wrapper() -> ModuleType:
 @functools.cache
 def sglang_fp8_kernel() -> ModuleType:
     """SGLang's FP8 quantization kernels (its 1x128 activation quantizer), imported once on first use."""
-    from sglang.kernels.ops.quantization import fp8_kernel
-
-    return fp8_kernel
+    return fp8_kernel_module()
 
 
 def device_sms(device: torch.device | int | None = None) -> int:

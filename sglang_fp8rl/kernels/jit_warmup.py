@@ -39,6 +39,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from sglang_fp8rl.compat.runtime import captured_token_counts
 from sglang_fp8rl.kernels.atomic_json import write_json_atomic
 from sglang_fp8rl.kernels.deepgemm import PRECOMPILE_ENV
 from sglang_fp8rl.kernels.jit_pool import TIMEOUT_S, WarmupPool, WarmupResult, worker_command
@@ -98,14 +99,7 @@ def plan_jobs(streams: dict[tuple[int, int, int | None], Iterable[int]]) -> list
 def capture_token_counts(server_args: Any) -> list[int]:
     """Token counts SGLang captures CUDA graphs for: decode batch sizes and prefill token counts, for every phase
     whose backend is not ``disabled`` (decode with one token per request; speculative decoding is not covered)."""
-    config = getattr(server_args, "cuda_graph_config", None)
-    counts: set[int] = set()
-    for phase in ("decode", "prefill"):
-        phase_config = getattr(config, phase, None)
-        if phase_config is None or getattr(phase_config, "backend", "disabled") == "disabled":
-            continue
-        counts.update(int(b) for b in (getattr(phase_config, "bs", None) or ()) if int(b) > 0)
-    return sorted(counts)
+    return captured_token_counts(server_args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

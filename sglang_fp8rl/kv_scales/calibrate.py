@@ -130,6 +130,8 @@ def measure_amax(model_runner: Any, token_ids: Sequence[Sequence[int]],
     layers = attention_layers(model_runner.model)
     observer = KVAmaxObserver()
     table, error = None, None
+    # the forward's own TP collectives come first: a rank failing before them stalls the others there, as in any TP
+    # forward (the engine agrees on free slots before calling); the agreement below covers failures after them
     try:
         with observing(model_runner.attn_backend, observer):
             calibration_forward(model_runner, token_ids)

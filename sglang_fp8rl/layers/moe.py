@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from sglang.srt.layers.moe import MoeRunner, MoeRunnerBackend, MoeRunnerConfig
@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from sglang_fp8rl.layers.config import Fp8OnlineBlockwiseConfig
 
 SHARDS = ("w1", "w3", "w2")  # gate, up, down (SGLang's FusedMoE shard ids)
+W13_SHARDS, W2_SHARDS = SHARDS[:2], SHARDS[2:]
+EXPERT_WEIGHTS = ("w13_weight", "w2_weight")  # FusedMoE's parameters of every expert's gate/up and down
 
 
 @dataclasses.dataclass
@@ -89,6 +91,23 @@ class ExpertTarget:
     dst_rows: slice  # rows of w13_weight[local] (w1/w3) or of w2_weight[local] (w2: all rows)
 
 
+def expert_full_shape(shard_id: str, hidden: int, intermediate: int) -> tuple[int, int]:
+    """The unsharded shape an expert tensor is sent in: gate/up (w1/w3) [I, H], down (w2) [H, I]."""
+    return (hidden, intermediate) if shard_id in W2_SHARDS else (intermediate, hidden)
+
+
+def unquantized_expert_shape(layer: torch.nn.Module, param_name: str, shard_id: Any) -> tuple[int, int]:
+    """The shape an expert tensor for ``param_name`` of a FusedMoE kept in BF16 (SGLang's own loader) must have.
+
+    That loader narrows this rank's 1/TP of the tensor's intermediate dimension into the expert's slice of the 3-D
+    parameter; a smaller tensor would fill only its leading part and a broadcastable one all of it, so only the exact
+    full shape is the slice's content."""
+    expected = W2_SHARDS if param_name == EXPERT_WEIGHTS[1] else W13_SHARDS
+    if shard_id not in expected:
+        raise ValueError(f"shard id {shard_id!r} is not one of {expected}")
+    return expert_full_shape(shard_id, layer.hidden_size, layer.intermediate_size_per_partition * layer.moe_tp_size)
+
+
 def _param_name(layer: torch.nn.Module, param: torch.nn.Parameter) -> str:
     if param is layer.w13_weight:
         return "w13_weight"
@@ -102,7 +121,7 @@ def expert_target(layer: torch.nn.Module, param: torch.nn.Parameter, loaded: tor
     """Validate an incoming HF expert tensor (nothing is written); None if the expert lives on another rank."""
     state: MoeLayerState = layer._fp8rl
     name = f"{state.prefix}.{_param_name(layer, param)}"
-    expected_shard = ("w1", "w3") if param is layer.w13_weight else ("w2",)
+    expected_shard = W13_SHARDS if param is layer.w13_weight else W2_SHARDS
     if shard_id not in expected_shard:
         raise ValueError(f"{name}: shard id {shard_id!r} is not one of {expected_shard}")
     if not isinstance(expert_id, int) or not 0 <= expert_id < layer.num_experts:
@@ -110,7 +129,7 @@ def expert_target(layer: torch.nn.Module, param: torch.nn.Parameter, loaded: tor
     check_incoming_dtype(f"{name} expert {expert_id} {shard_id}", loaded)
     h, i_local, tp_rank = state.hidden_size, state.intermediate_local, layer.moe_tp_rank
     i_full = i_local * layer.moe_tp_size
-    full_shape = (h, i_full) if shard_id == "w2" else (i_full, h)
+    full_shape = expert_full_shape(shard_id, h, i_full)
     if tuple(loaded.shape) != full_shape:
         raise ValueError(f"{name} expert {expert_id} {shard_id}: expected an unsharded tensor of shape {full_shape}, "
                          f"got {tuple(loaded.shape)}")

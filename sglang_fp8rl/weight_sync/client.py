@@ -236,6 +236,8 @@ def push_state_dict(target: Any, weights: NamedTensors, bucket_bytes: int = DEFA
         for i, bucket in enumerate(chunks):
             last = i == len(chunks) - 1
             what = f"update_weights_from_tensor (bucket {i + 1}/{len(chunks)}: {bucket[0][0]} ...)"
+            if i:
+                what += f"; buckets 1-{i} of this step were written before it"
             answers.append(_send_tensors(target, bucket, tp_size, None, last, what, timeout))
     return answers
 

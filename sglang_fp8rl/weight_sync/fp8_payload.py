@@ -63,15 +63,14 @@ def attach_scales(named: Sequence[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
             got = getattr(by_name.get(weight), "dtype", "nothing")
             raise UpdateRejected(f"{name}: a scale needs {weight} as float8_e4m3fn codes in the same update, got "
                                  f"{got} (fp8_online_blockwise computes the scales of BF16 weights itself)")
-    pairs = [(by_name[n], by_name[n + SCALE_SUFFIX], n) for n in sorted(codes)]
-    for weight, scale, name in pairs:
-        check_scale_shape(name, weight, scale)
+    pairs = [(by_name[n], check_scale_shape(n, by_name[n], by_name[n + SCALE_SUFFIX]), n) for n in sorted(codes)]
     check_values(pairs)
+    block_scales = {name: scale for _, scale, name in pairs}
     out = []
     for name, tensor in named:
         if name in scales:
             continue
-        out.append((name, with_scale(tensor, by_name[name + SCALE_SUFFIX]) if name in codes else tensor))
+        out.append((name, with_scale(tensor, block_scales[name]) if name in codes else tensor))
     return out
 
 
@@ -98,7 +97,7 @@ def pair_stream(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
         weight = name[: -len(SCALE_SUFFIX)] if _is_scale_name(name) else name
         if weight in held_codes and weight in held_scales:
             codes, scale = held_codes.pop(weight), held_scales.pop(weight)
-            check_scale_shape(weight, codes, scale)
+            scale = check_scale_shape(weight, codes, scale)
             check_values([(codes, scale, weight)])
             yield weight, with_scale(codes, scale)
     leftovers = {**{n: v for n, v in held_codes.items()}, **{n + SCALE_SUFFIX: v for n, v in held_scales.items()}}
@@ -107,15 +106,20 @@ def pair_stream(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
         raise UpdateRejected(f"{sorted(leftovers)[0]}: pre-quantized tensor without its partner")
 
 
-def check_scale_shape(name: str, codes: torch.Tensor, scale: Any) -> None:
-    """The scale is a float32 tensor of one value per 128x128 block of the codes."""
+def check_scale_shape(name: str, codes: torch.Tensor, scale: Any) -> torch.Tensor:
+    """The scale as a float32 tensor of one value per 128x128 block of the codes; UpdateRejected otherwise. A 1-D
+    scale of a weight with a single column block (K <= 128: verl's Triton quantizer drops that dimension) is taken as
+    that one column, the only reading its shape allows."""
     if codes.dim() != 2:
         raise UpdateRejected(f"{name}: pre-quantized codes must be 2-D [N, K], got shape {tuple(codes.shape)}")
     want = blockwise_scale_shape(tuple(codes.shape), DEFAULT_BLOCK_SIZE)
+    if isinstance(scale, torch.Tensor) and scale.dim() == 1 and want[1] == 1 and scale.shape[0] == want[0]:
+        scale = scale.unsqueeze(1)
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != want:
         got = f"{scale.dtype} {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else type(scale).__name__
         raise UpdateRejected(f"{name}{SCALE_SUFFIX}: expected float32 of shape {want} (one per 128x128 block of "
                              f"{tuple(codes.shape)}), got {got}")
+    return scale
 
 
 def check_values(pairs: list[tuple[torch.Tensor, torch.Tensor, str]]) -> None:

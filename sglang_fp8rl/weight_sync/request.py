@@ -18,11 +18,11 @@ Each way gives the same bytes; the split only decides how many host calls the wr
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
-from sglang_fp8rl.layers.fp8_storage import IncomingWrite, dequantized_bf16, is_prequantized
+from sglang_fp8rl.layers.fp8_storage import IncomingWrite, dequantized_bf16, is_prequantized, layer_state
 from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE
 from sglang_fp8rl.weight_sync.validate import (
     DryRunRecord,
@@ -52,6 +52,7 @@ class Validated:
     ignored: list[str] = dataclasses.field(default_factory=list)
     fp8_layers: dict[str, int] = dataclasses.field(default_factory=dict)
     plain_params: int = 0
+    complete: bool = False  # a checkpoint that reaches every parameter of the model (validate_stream)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor to write, by name."""
@@ -90,15 +91,78 @@ def for_plain_params(name: str, tensor: torch.Tensor, record: DryRunRecord) -> t
     return dequantized_bf16(tensor, DEFAULT_BLOCK_SIZE)
 
 
-def validate_request(model: torch.nn.Module, load_weights: Callable, named_tensors: NamedTensors) -> Validated:
-    """Check the whole request before anything is written; raise UpdateRejected naming the tensor and the reason."""
+@dataclasses.dataclass
+class Destinations:
+    """Where the tensors of one update (or one checkpoint) write, by the dry run's records: two tensors writing the
+    same place (one parameter under two names, as SGLang's Qwen3 loader takes ``model.layers.N`` and ``layers.N``)
+    are refused, since on CUDA both go in one multi-tensor copy or one grouped launch, where which lands is
+    undefined."""
+
+    fp8: dict[tuple[int, tuple[int, ...]], list[tuple[slice, str]]] = dataclasses.field(default_factory=dict)
+    plain: dict[int, list[tuple[str, str]]] = dataclasses.field(default_factory=dict)
+
+    def add(self, model: torch.nn.Module, name: str, record: DryRunRecord) -> None:
+        """Record ``name``'s writes; UpdateRejected naming both tensors if another tensor writes the same place."""
+        for write in record.fp8_writes:
+            if write.weight is None:
+                continue  # nothing written on this rank
+            rows, key = write.dst_rows, (write.weight.data_ptr(), tuple(write.weight.shape))
+            for other_rows, other in self.fp8.setdefault(key, []):
+                if other != name and rows.start < other_rows.stop and other_rows.start < rows.stop:
+                    raise _written_twice(other, name, f"rows {rows.start}:{rows.stop} of an FP8 weight of "
+                                                      f"{write.state.prefix}")
+            self.fp8[key].append((rows, name))
+        for param, shard in record.plain_writes:
+            for other_shard, other in self.plain.setdefault(id(param), []):
+                if other != name and (shard == other_shard or not shard or not other_shard):  # "": all of it
+                    raise _written_twice(other, name, _param_name(model, param))
+            self.plain[id(param)].append((shard, name))
+
+
+    def covers(self, model: torch.nn.Module) -> bool:
+        """Whether these writes reach every parameter of the model on this rank: every row of every FP8 weight (one
+        per dense layer; one per local expert and weight of a FusedMoE layer) and every other parameter."""
+        owned: set[int] = set()
+        for module in model.modules():
+            if layer_state(module) is None:
+                continue
+            owned.update(id(p) for p in module.parameters(recurse=False))
+            for weight in fp8_targets(module):
+                written = self.fp8.get((weight.data_ptr(), tuple(weight.shape)), [])
+                if sum(rows.stop - rows.start for rows, _ in written) < weight.shape[0]:  # overlaps were refused
+                    return False
+        return all(id(p) in owned or id(p) in self.plain for p in model.parameters())
+
+
+def fp8_targets(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The 2-D FP8 weights a layer's loaders write: its ``weight``, or each local expert's ``w13``/``w2`` slice."""
+    if hasattr(module, "w13_weight"):
+        return [w.data[i] for w in (module.w13_weight, module.w2_weight) for i in range(w.shape[0])]
+    return [module.weight.data]
+
+
+def _written_twice(first: str, second: str, where: str) -> UpdateRejected:
+    return UpdateRejected(f"{first!r} and {second!r} write the same {where} (one parameter under two names?); send "
+                          "each parameter once")
+
+
+def _param_name(model: torch.nn.Module, param: torch.nn.Parameter) -> str:
+    return next((name for name, p in model.named_parameters() if p is param), f"parameter {tuple(param.shape)}")
+
+
+def validate_request(model: torch.nn.Module, load_weights: Callable, named_tensors: NamedTensors,
+                     destinations: Optional[Destinations] = None) -> Validated:
+    """Check the whole request before anything is written; raise UpdateRejected naming the tensor and the reason.
+    ``destinations``: the writes of earlier parts of the same update (a checkpoint validated in chunks)."""
     check_tensors(named_tensors)
     check_unique([name for name, _ in named_tensors])
     records = cached_dry_run(model, load_weights, named_tensors)
     replay = replays_writes(model)
+    destinations = Destinations() if destinations is None else destinations
     result = Validated()
     for name, tensor in named_tensors:
         record = records[name]
+        destinations.add(model, name, record)
         if not record.consumed:
             if not is_ignored_name(model, name):
                 raise UpdateRejected(f"{name}: not a parameter of {type(model).__name__} (its load_weights ignored it)")
@@ -126,10 +190,11 @@ def validate_stream(model: torch.nn.Module, load_weights: Callable, weights: Ite
     """Validate a stream of tensors (a checkpoint's first pass) in chunks; what it would write, without the tensors."""
     total = Validated()
     seen: set[str] = set()
+    destinations = Destinations()
     pending: list[tuple[str, torch.Tensor]] = []
 
     def flush() -> None:
-        part = validate_request(model, load_weights, pending)
+        part = validate_request(model, load_weights, pending, destinations)
         total.ignored += part.ignored
         total.plain_params += part.plain_params
         for scheme, n in part.fp8_layers.items():
@@ -146,4 +211,5 @@ def validate_stream(model: torch.nn.Module, load_weights: Callable, weights: Ite
             flush()
     if pending:
         flush()
+    total.complete = destinations.covers(model)
     return total

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from sglang_fp8rl.kv_scales.engine import mark_due
+from sglang_fp8rl.kv_scales.engine import mark_calibrated, mark_due
 from sglang_fp8rl.kv_scales.layers import attention_layers
 
 logger = logging.getLogger(__name__)
@@ -133,12 +133,13 @@ def current_step() -> UpdateStep:
 
 def end_step(model: torch.nn.Module, marker: bool = False) -> Optional[Commit]:
     """End this process's step and apply its commit (a KV recalibration due unless the trainer sent every layer's
-    scales); None when a marker arrived inside a session (the session's end commits)."""
+    scales, which then also cancel one still due); None when a marker arrived inside a session (its end commits)."""
     commit = _STEP.end(len(attention_layers(model)), marker=marker)
     if commit is None:
         return None
     if commit.recalibrate:
         mark_due()
-    else:
+    else:  # the trainer's scales are the newest: they also supersede a recalibration still due from an earlier step
+        mark_calibrated()
         logger.info("[fp8rl] step %d: the trainer supplied every layer's KV scales; no recalibration", commit.index)
     return commit

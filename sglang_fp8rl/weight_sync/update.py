@@ -95,6 +95,7 @@ class EngineState:
     last: Optional[UpdateStats] = None
     dirty: set[str] = dataclasses.field(default_factory=set)
     inconsistent_reason: str = ""
+    flush_due: bool = False  # an update's cache flush was refused while requests ran: flushed when idle
 
     @property
     def consistent(self) -> bool:

@@ -21,10 +21,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from sglang.srt.layers.linear import LinearBase
+from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 
 from sglang_fp8rl.layers.fp8_storage import CHECK_ATTR, IncomingWrite, is_prequantized
+from sglang_fp8rl.layers.moe import EXPERT_WEIGHTS, unquantized_expert_shape
 from sglang_fp8rl.layers.placement import placement_for_layer
 from sglang_fp8rl.quant import FP8_DTYPE, extremes, extremes_finite_in_bf16
 
@@ -133,14 +135,24 @@ def check_unique(names: Sequence[str]) -> None:
 # the shape rule for parameters that are not ours (BF16: embeddings, norms, lm_head, routers, layers kept in BF16)
 
 
-def _shard_id(args: tuple, kwargs: dict) -> Any:
+def _shard_id(owner: Optional[torch.nn.Module], args: tuple, kwargs: dict) -> Any:
+    if isinstance(owner, FusedMoE):  # FusedMoE.weight_loader(param, loaded, weight_name, shard_id, expert_id)
+        return kwargs.get("shard_id", args[1] if len(args) > 1 else None)
     return args[0] if args else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
+
+
+def loader_shard(args: tuple, kwargs: dict) -> str:
+    """Which part of a parameter a loader call writes: its arguments after the tensor, as text ("" for the whole)."""
+    return repr(args + tuple(sorted(kwargs.items()))) if args or kwargs else ""
 
 
 def expected_full_shape(owner: Optional[torch.nn.Module], param_name: str, param: torch.nn.Parameter,
                         shard_id: Any) -> Optional[tuple[int, ...]]:
     """The exact shape the tensor of a weight is sent in, where it is known: linear weights (our placement helpers,
-    tested against SGLang's loaders) and vocabulary embeddings / lm_head (the original vocabulary)."""
+    tested against SGLang's loaders), vocabulary embeddings / lm_head (the original vocabulary) and one expert's
+    tensor of a FusedMoE kept in BF16."""
+    if isinstance(owner, FusedMoE) and param_name in EXPERT_WEIGHTS:
+        return unquantized_expert_shape(owner, param_name, shard_id)
     if param_name != "weight" or param.dim() != 2:
         return None
     if isinstance(owner, LinearBase):
@@ -186,6 +198,8 @@ class DryRunRecord:
     # plain parameters whose loader is SGLang's default one copying the request's own tensor whole (norms): the
     # write is ``param.data.copy_(tensor)``, replayable as such
     plain_copies: list[torch.nn.Parameter] = dataclasses.field(default_factory=list)
+    # (parameter, loader_shard) of every plain loader call: where two tensors of one request would write the same part
+    plain_writes: list[tuple[torch.nn.Parameter, str]] = dataclasses.field(default_factory=list)
     # every FP8 loader call received the request's own tensor (not a view or copy the model made): its writes can
     # be replayed on the next request's tensor of the same name
     replayable: bool = True
@@ -257,9 +271,10 @@ def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunTarget]:
                 target.record.replayable &= loaded is target.tensor
                 return
             owner, param_name = owners.get(id(p), (None, ""))
-            check_plain_shape(owner, param_name, p, loaded, _shard_id(args, kwargs))
+            check_plain_shape(owner, param_name, p, loaded, _shard_id(owner, args, kwargs))
             _load_into_scratch(real, p, loaded, *args, **kwargs)
             target.record.plain_params += 1
+            target.record.plain_writes.append((p, loader_shard(args, kwargs)))
             if real is default_weight_loader and not args and not kwargs and loaded is target.tensor \
                     and p.size() == loaded.size():
                 target.record.plain_copies.append(p)
