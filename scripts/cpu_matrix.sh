@@ -9,11 +9,13 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 primary=$(sed -n 's/^SUPPORTED_SGLANG[^(]*("\([^"]*\)".*/\1/p' sglang_fp8rl/compat/versions.py)
+# (test_weight_updates.py and test_client.py run on the primary release only: CI's 45-minute budget; the update
+# path they share is covered here by the malformed-request suite, replayed writes, pre-quantized payloads and sessions)
 MATRIX_TESTS=(
   tests/test_plugin.py tests/test_version_matrix.py tests/test_demo_cpu.py tests/test_gpu_flags.py
   tests/test_malformed_updates.py tests/test_replayed_writes.py tests/test_prequantized_updates.py
-  tests/test_weight_updates.py tests/test_client.py tests/test_session_client.py tests/test_sessions.py
-  tests/test_step_lifecycle.py tests/test_kv_engine.py tests/test_kv_scales.py
+  tests/test_session_client.py tests/test_sessions.py tests/test_step_lifecycle.py tests/test_kv_engine.py
+  tests/test_kv_scales.py
 )
 [ -n "${MATRIX_EXTRA_TESTS:-}" ] && MATRIX_TESTS+=($MATRIX_EXTRA_TESTS)
 jobs=${MATRIX_JOBS:-2}

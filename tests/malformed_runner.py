@@ -79,8 +79,9 @@ def call(updater: Any, case: Case, w1: dict, extra: dict, work: str) -> tuple[An
     if case.entry == "tensor" and case.defect.startswith("format:"):
         fmt = case.defect.split(":", 1)[1]
         load_format = "my_pkg.my_loader" if fmt == "custom_loader" else fmt
-        if fmt == "custom_loader":
-            updater.custom_weight_loaders.append(load_format)
+        if fmt == "custom_loader":  # registered as SGLang registers one: on the updater, or (up to 0.5.15) its args
+            loaders = getattr(updater, "custom_weight_loaders", None)
+            (loaders if loaders is not None else updater.server_args.custom_weight_loader).append(load_format)
         return updater.update_weights_from_tensor(list(w1.items()), load_format=load_format), None
     if case.entry == "tensor":
         named = tensor_request(case, w1)

@@ -160,7 +160,11 @@ from sglang_fp8rl.kernels.jit_warmup import capture_token_counts
 args = prepare_server_args({cmd[3:]!r} + ["--device", "cpu"])
 config = cuda_graph_config(args)
 prefill = "disabled" if config is None else config.prefill.backend  # before 0.5.14 no prefill graph is captured
-print("RESULT", json.dumps({{"capture": capture_token_counts(args), "options": json.loads(os.environ["FP8RL_OPTIONS"]),
+capture = capture_token_counts(args)
+if not capture and getattr(args, "cuda_graph_bs_decode", None):  # 0.5.21+ resolves the capture only with a GPU
+    capture = list(args.cuda_graph_bs_decode)
+    prefill = args.cuda_graph_backend_prefill
+print("RESULT", json.dumps({{"capture": capture, "options": json.loads(os.environ["FP8RL_OPTIONS"]),
                             "prefill": prefill, "quant": args.quantization}}))
 """
     env = {k: v for k, v in os.environ.items() if k != "FP8RL_OPTIONS"}

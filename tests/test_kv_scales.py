@@ -712,6 +712,13 @@ def scenario_calibrate(runner):
             "backend_scale_source": decode_fold.scale_source(mr.attn_backend)}
 
 
+def tp_group_of():
+    """SGLang's TP group of this process (ModelRunner.tp_group up to 0.5.22; parallel_state has it in every release)."""
+    from sglang.srt.distributed import parallel_state
+
+    return parallel_state.get_tp_group()
+
+
 def scenario_amax(runner):
     mr = runner.torch_runner
     attached = layers.attach_scales(mr.model, mr.device)
@@ -720,7 +727,8 @@ def scenario_amax(runner):
     with observer.observing(mr.attn_backend, obs):
         calibrate.calibration_forward(mr, CALIB_IDS)
     local = [k for k, _ in obs.per_head(ids)]
-    group = mr.tp_group.cpu_group if mr.tp_group.world_size > 1 else None
+    tp = tp_group_of()
+    group = tp.cpu_group if tp.world_size > 1 else None
     cal = calibrate.recalibrate(mr, CALIB_IDS, group=group)
     return {"local": local, "amax": torch.tensor([cal.amax[i] for i in ids], dtype=torch.float64),
             "scales": cal.scales}
@@ -735,9 +743,10 @@ def scenario_fault(runner):
     served = {m.layer_id: (0.5, 0.25) for m in attached}
     under = {m.layer_id: (1.0, 1.0) for m in attached}
     layers.write_scales(attached, served)
-    group = mr.tp_group.device_group
+    tp = tp_group_of()
+    group = tp.device_group
     real_forward = calibrate.calibration_forward
-    if mr.tp_group.rank_in_group == 1:
+    if tp.rank_in_group == 1:
         def out_of_memory(*args, **kwargs):  # after the forward's own TP collectives, which rank 0 then leaves
             real_forward(*args, **kwargs)
             raise torch.OutOfMemoryError("simulated: out of memory at the end of the calibration forward")

@@ -92,11 +92,12 @@ def attention_backend_init() -> str:
 
 
 def graph_capture_init() -> str:
-    """The ModelRunner method that captures the CUDA graphs: ``init_cuda_graphs`` from 0.5.14, ``init_device_graphs``
-    before."""
+    """The ModelRunner method after which every CUDA graph is captured (the load-time KV calibration runs right after
+    it): ``init_cuda_graphs`` from 0.5.14; before, ``init_piecewise_cuda_graphs``, which those releases run after
+    ``init_device_graphs`` (a forward reads the piecewise runner it sets)."""
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    return "init_cuda_graphs" if hasattr(ModelRunner, "init_cuda_graphs") else "init_device_graphs"
+    return "init_cuda_graphs" if hasattr(ModelRunner, "init_cuda_graphs") else "init_piecewise_cuda_graphs"
 
 
 def linear_tp(layer: Any) -> tuple[int, int]:
@@ -228,3 +229,13 @@ def fp8_kernel_module() -> Any:
         return importlib.import_module("sglang.kernels.ops.quantization.fp8_kernel")
     except ModuleNotFoundError:
         return importlib.import_module("sglang.srt.layers.quantization.fp8_kernel")
+
+
+def ready_for_forward(runner: Any) -> None:
+    """Let the load-time calibration run a forward inside ``ModelRunner.initialize``: up to 0.5.13 the runner sets
+    ``support_pp`` (read by every forward) only after ``initialize`` returns, where graphs are already captured. It
+    is set here the way SGLang sets it (SGLang sets it again, to the same value, right after)."""
+    if not hasattr(runner, "support_pp"):
+        import inspect
+
+        runner.support_pp = "pp_proxy_tensors" in inspect.signature(runner.model.forward).parameters

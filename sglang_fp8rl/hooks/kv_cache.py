@@ -32,6 +32,7 @@ from sglang_fp8rl.kv_scales.layers import attach_scales, read_scales
 from sglang_fp8rl.kv_scales.numerics import saturating_scale_
 from sglang_fp8rl.server_args import get_options
 from sglang_fp8rl.compat import updates
+from sglang_fp8rl.compat.runtime import ready_for_forward
 from sglang_fp8rl.weight_sync.consensus import Verdict, agree
 from sglang_fp8rl.weight_sync.update import engine_state, is_attached
 
@@ -68,6 +69,7 @@ def calibrate_now(runner: Any) -> None:
     state = kv_state()
     ids = batch_within(state.token_ids, runner.token_to_kv_pool_allocator.available_size(),
                        runner.req_to_token_pool.available_size())
+    ready_for_forward(runner)
     recalibrate(runner, ids, state.policy, tp_device_group(), under=state.calibrated_under or None)
 
 
