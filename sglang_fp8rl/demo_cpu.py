@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Iterator
 
+from sglang_fp8rl.compat.updates import updater_of
 from sglang_fp8rl.demo_common import (
     DEMO_DIMS,
     NEW_TOKENS,
@@ -27,7 +28,6 @@ from sglang_fp8rl.demo_common import (
     work_dir,
     write_checkpoint,
 )
-from sglang_fp8rl.compat.updates import updater_of
 from sglang_fp8rl.server_args import QUANTIZATION_NAME
 
 SUMMARY_MARK = "linear layers"  # in the one [fp8rl] scheme-summary line of a load

@@ -1,5 +1,6 @@
 """A stand-in engine for the client's distributed transport: an HTTP server in its own process that joins the update
-group as rank 1 (gloo), receives every broadcast it is told about, and answers like the endpoints of an SGLang without weight-update sessions (404 on /begin_weight_update).
+group as rank 1 (gloo), receives every broadcast it is told about, and answers like the endpoints of an SGLang
+without weight-update sessions (404 on /begin_weight_update).
 
 Usage: python tests/fake_engine.py PORT. A request whose first name starts with "reject" is received and then
 answered with HTTP 400 (what the real server does for a refused update)."""

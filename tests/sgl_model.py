@@ -48,6 +48,16 @@ def save_checkpoint(out: str, config, sd: dict[str, torch.Tensor]) -> dict[str, 
     return sd
 
 
+def write_w0_w1(d, config=None) -> tuple[dict, dict]:
+    """The pair most update tests use: checkpoint folders ``d/w0`` (seed 10) and ``d/w1`` (seed 11); their state
+    dicts."""
+    config = TINY if config is None else config
+    w0 = write_checkpoint(str(d / "w0"), config, seed=10)
+    w1 = random_state_dict(config, seed=11)
+    write_checkpoint(str(d / "w1"), config, seed=11, state_dict=w1)
+    return w0, w1
+
+
 def run_worker(scenario: str, model_dir: str, out_path: str, *server_args: str, env: dict | None = None,
                timeout: int = 600, extra: dict | None = None) -> dict:
     """Run one scenario of tests/sgl_worker.py in a fresh process; return what it saved."""

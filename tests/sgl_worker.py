@@ -13,9 +13,9 @@ import json
 import os
 import sys
 
-from sglang_fp8rl.cpu_runner import build_runner, install_cpu_stubs
 from sglang_fp8rl.compat.runtime import one_batch, prefill_request
 from sglang_fp8rl.compat.updates import updater_of
+from sglang_fp8rl.cpu_runner import build_runner, install_cpu_stubs
 
 install_cpu_stubs()
 

@@ -138,15 +138,16 @@ def test_a_refused_flush_after_an_update_does_not_kill_the_scheduler_and_is_retr
     flushes = []
     model = SimpleNamespace()
     manager = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)),
-                              flush_cache=lambda: flushes.append("flush") or len(flushes) > 1)
+                              flush_cache=lambda empty_cache=False: flushes.append("flush") or len(flushes) > 1)
 
-    def original(self, recv_req):
-        assert self.flush_cache(), "Cache flush failed after updating weights"  # SGLang's own, up to 0.5.21
+    def original(self, recv_req):  # SGLang's own, up to 0.5.21
+        assert self.flush_cache(empty_cache=recv_req.torch_empty_cache), "Cache flush failed after updating weights"
 
     monkeypatch.setattr(kv_cache, "is_attached", lambda m: m is model)  # a model served by the plugin
     monkeypatch.setattr(kv_cache.updates, "scheduler_update_manager", lambda s: s.weight_updater)
     monkeypatch.setattr(update.engine_state(), "flush_due", False)
-    kv_cache.wrap_flush_after_update(original)(manager, SimpleNamespace(flush_cache=True))  # refused, no assert
+    request = SimpleNamespace(flush_cache=True, torch_empty_cache=False)
+    kv_cache.wrap_flush_after_update(original)(manager, request)  # refused, no assert
     assert update.engine_state().flush_due and flushes == ["flush"]
     scheduler = SimpleNamespace(is_fully_idle=lambda: True, weight_updater=manager)
     kv_cache.wrap_on_idle(lambda self: None)(scheduler)

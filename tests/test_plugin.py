@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import re
 import logging
 import os
+import re
 from importlib.metadata import entry_points
 
 import pytest

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_model import TINY, as_bytes, random_state_dict, run_worker, write_checkpoint
+from sgl_model import as_bytes, run_worker, write_w0_w1
 
 from sglang_fp8rl.compat.versions import installed_sglang
 
@@ -32,9 +32,7 @@ requires_sessions = pytest.mark.skipif(not has_sessions(), reason=f"SGLang {inst
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("sessions")
-    w0 = write_checkpoint(str(d / "w0"), TINY, seed=10)
-    w1 = random_state_dict(TINY, seed=11)
-    write_checkpoint(str(d / "w1"), TINY, seed=11, state_dict=w1)
+    w0, w1 = write_w0_w1(d)
     torch.save(w0, d / "w0.pt")
     torch.save(w1, d / "w1.pt")
     return d

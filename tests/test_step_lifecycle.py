@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from sgl_model import TINY, random_state_dict, run_worker, write_checkpoint
+from sgl_model import run_worker, write_w0_w1
 
 pytestmark = pytest.mark.slow
 
@@ -22,9 +22,7 @@ def lifecycle(tmp_path_factory):
     from safetensors.torch import save_file
 
     d = tmp_path_factory.mktemp("lifecycle")
-    write_checkpoint(str(d / "w0"), TINY, seed=10)
-    w1 = random_state_dict(TINY, seed=11)
-    write_checkpoint(str(d / "w1"), TINY, seed=11, state_dict=w1)
+    _, w1 = write_w0_w1(d)
     torch.save(w1, d / "w1.pt")
     os.makedirs(d / "one", exist_ok=True)
     save_file({"model.norm.weight": w1["model.norm.weight"].contiguous()}, str(d / "one" / "model.safetensors"))

@@ -19,6 +19,7 @@ from sgl_model import (
     run_worker,
     split_randomly,
     write_checkpoint,
+    write_w0_w1,
 )
 
 pytestmark = pytest.mark.slow
@@ -37,9 +38,7 @@ def bucket(named: list[tuple[str, torch.Tensor]]) -> dict:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("upd")
-    w0 = write_checkpoint(str(d / "w0"), TINY, seed=10)
-    w1 = random_state_dict(TINY, seed=11)
-    write_checkpoint(str(d / "w1"), TINY, seed=11, state_dict=w1)
+    w0, w1 = write_w0_w1(d)
     cold_w1 = run_worker("load", str(d / "w1"), str(d / "cold_w1.pt"), *QUANT)
     cold_w0 = run_worker("load", str(d / "w0"), str(d / "cold_w0.pt"), *QUANT)
     return {"dir": d, "w0": w0, "w1": w1, "cold_w1": cold_w1, "cold_w0": cold_w0}

@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from sglang_fp8rl.compat import updates
+from sglang_fp8rl.compat.runtime import ready_for_forward
 from sglang_fp8rl.kv_scales import resolve_kv_scale_mode
 from sglang_fp8rl.kv_scales.calibrate import recalibrate
 from sglang_fp8rl.kv_scales.decode_fold import install_decode_fold, unverified_reason
@@ -31,8 +33,6 @@ from sglang_fp8rl.kv_scales.engine import batch_within, calibration_batch, kv_st
 from sglang_fp8rl.kv_scales.layers import attach_scales, read_scales
 from sglang_fp8rl.kv_scales.numerics import saturating_scale_
 from sglang_fp8rl.server_args import get_options
-from sglang_fp8rl.compat import updates
-from sglang_fp8rl.compat.runtime import ready_for_forward
 from sglang_fp8rl.weight_sync.consensus import Verdict, agree
 from sglang_fp8rl.weight_sync.update import engine_state, is_attached
 
@@ -264,7 +264,8 @@ def wrap_flush_after_update(original: Callable) -> Callable:
     def flush_cache_after_weight_update(self, recv_req, *args, **kwargs):
         if not is_attached(self.tp_worker.model_runner.model):
             return original(self, recv_req, *args, **kwargs)
-        if getattr(recv_req, "flush_cache", False) and not self.flush_cache():
+        empty_cache = getattr(recv_req, "torch_empty_cache", False)  # SGLang's own call passes it
+        if getattr(recv_req, "flush_cache", False) and not self.flush_cache(empty_cache=empty_cache):
             engine_state().flush_due = True
             logger.warning("[fp8rl] the cache was not flushed after this update (requests are running); it is "
                            "flushed as soon as the engine is idle")

@@ -25,10 +25,10 @@ logger = logging.getLogger(__name__)
 def fit_decode_graphs_to_capacity(args: argparse.Namespace) -> None:
     """Capture decode CUDA graphs up to :data:`FP8_DECODE_GRAPH_MAX_BS` unless the command line sets the capture.
 
-    FP8 weights and an FP8 KV cache leave room for 1.1-2.3x the requests of BF16, so a whole RL rollout batch runs
-    at once, past SGLang's default capture (256 on an 80 GB GPU below TP 4): measured on an H100 (Qwen3-8B shapes,
-    384 long-tailed requests), decode above 256 ran eagerly and the rollout took 179 s instead of 136 s with capture
-    up to 512. SGLang sizes its memory reserve from this limit, so the larger graphs are accounted for."""
+    FP8 weights and an FP8 KV cache leave room for more requests than BF16 (a 1.11x / 2.22x KV pool on an H100 with
+    Qwen3-8B shapes, docs/RESULTS.md 17a), so a whole RL rollout batch can run at once, past SGLang's default capture
+    (256 on an 80 GB GPU below TP 4), where decode runs eagerly. SGLang sizes its memory reserve from this limit, so
+    the larger graphs are accounted for."""
     max_field, list_field = decode_graph_limit_fields(args)
     user_set = any(getattr(args, name, None) not in (None, False) for name in (
         max_field, list_field, "cuda_graph_config", "cuda_graph_backend_decode", "disable_cuda_graph",

@@ -26,8 +26,8 @@ from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, Flattene
 
 from sglang_fp8rl.compat.updates import (
     assert_weight_cache_inactive,
-    derived_weight_cache_error,
     decode_own_rank,
+    derived_weight_cache_error,
     local_serialized_tensor_type,
     unwrap_tensor,
     updater_model,

@@ -1,8 +1,8 @@
 """Recalibration on the engine: one prefill of a fixed token batch through SGLang's ModelRunner, K/V amax observed
 at the attention backend, per-layer scales written in place.
 
-The forward is SGLang's own benchmark path (``one_batch.extend``, :func:`sglang_fp8rl.compat.runtime.one_batch`: a ``ScheduleBatch`` over the live
-pools with a stand-in prefix cache, ``ForwardBatch.init_new``, ``ModelRunner.forward``), the one the CPU tests and
+The forward is SGLang's own benchmark path (``one_batch.extend``, :func:`sglang_fp8rl.compat.runtime.one_batch`: a
+``ScheduleBatch`` over the live pools with a stand-in prefix cache, ``ForwardBatch.init_new``, ``ModelRunner.forward``), the one the CPU tests and
 ``bench_one_batch`` already drive. Its KV slots come from the live allocator and are given back afterwards, so the
 caller must hold the scheduler idle with the prefix cache flushed (after a weight update SGLang flushes it anyway):
 cached K/V written under the old scales would otherwise be read back under the new ones.
