@@ -611,6 +611,41 @@ def run_config(item: dict, log_path: str, workload: dict, start_timeout: float, 
     return rec
 
 
+def run_waves(plan: list[dict], args: argparse.Namespace, out: str, workload: dict, records: dict, meta: dict,
+              deadline_at: float) -> None:
+    """--gpus: the configs in waves of len(gpus), each config of a wave on its own GPU at the same time."""
+    gpus = args.gpus
+    waves = [plan[i:i + len(gpus)] for i in range(0, len(plan), len(gpus))]
+    for w, wave in enumerate(waves):
+        wave_deadline = deadline_at - args.min_s * (len(waves) - 1 - w)
+        left = wave_deadline - time.time()
+        if left < args.min_s:
+            for item in wave:
+                say(f"SKIP {item['name']}: only {left:.0f} s left of --deadline-s {args.deadline_s:.0f}")
+                records[item["name"]] = {"flags": item["flags"], "status": "skipped (deadline)", "requests": []}
+            continue
+        threads = []
+        for gpu, item in zip(gpus, wave):
+            item = dict(item, env=dict(item["env"], CUDA_VISIBLE_DEVICES=str(gpu)))
+            say(f"run {item['name']} on GPU {gpu}: {' '.join(item['cmd'][3:])}")
+
+            def one(item=item, gpu=gpu) -> None:
+                rec = run_config(item, os.path.join(out, f"server_{item['name']}.log"), workload,
+                                 min(args.start_timeout, left - 45), args.run_timeout, wave_deadline)
+                rec["gpu"] = gpu
+                records[item["name"]] = rec
+            threads.append(threading.Thread(target=one, daemon=True))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for item in wave:
+            r = summarize_config(item["name"], records[item["name"]], args.num_prompts)
+            say(f"{item['name']}: {records[item['name']]['status']}; makespan {_f(r['makespan_s'], '{:.1f}')} s, "
+                f"p50 {_f(r['p50_s'], '{:.1f}')} s, KV pool {_f(r['kv_tokens'])}, peak running {_f(r['peak_running'])}")
+        write_outputs(out, records, meta, workload)
+
+
 def fa3_missing(plan: list[dict]) -> str | None:
     """Why FA3 cannot serve the configs that rely on SGLang's default backend (None: it imports, or none does)."""
     if all(attention_backend(p["flags"]) is not None for p in plan):
@@ -654,6 +689,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fa3-missing", choices=("triton", "run"), default="triton",
                    help="where FA3 does not import: run configs without --attention-backend on triton, or launch "
                         "them as they are (they fail)")
+    p.add_argument("--gpus", type=int, nargs="+", default=[],
+                   help="run the configs in waves, one per GPU at the same time (e.g. --gpus 0 1 on a two-GPU "
+                        "host: the two configs of a wave run side by side on identical GPUs)")
     p.add_argument("--port-base", type=int, default=30200, help="config k listens on port-base + 10 k")
     p.add_argument("--start-timeout", type=float, default=420, help="seconds a server may take to become healthy")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds the batch may take per config")
@@ -726,6 +764,11 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     deadline_at = t_start + args.deadline_s if args.deadline_s > 0 else math.inf
     records: dict[str, dict] = {}
+    if args.gpus:
+        run_waves(plan, args, out, workload, records, meta, deadline_at)
+        text = write_outputs(out, records, meta, workload)
+        print("\n" + text, flush=True)
+        return 0 if all(r.get("status") == "ok" for r in records.values()) else 1
     for k, item in enumerate(plan):
         # each config after this one keeps --min-s of the deadline: a slow baseline cannot starve the others
         cfg_deadline = deadline_at - args.min_s * (len(plan) - 1 - k)

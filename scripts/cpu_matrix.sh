@@ -6,6 +6,7 @@
 # The envs are built one at a time (pip); the tests then run MATRIX_JOBS releases at a time (default 2: most of a
 # run is one single-threaded worker process per release). Each release's output goes to its own log, printed at the end.
 set -uo pipefail
+export FP8RL_TEST_JOBS=1  # two releases run at a time: one pytest process each
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 primary=$(sed -n 's/^SUPPORTED_SGLANG[^(]*("\([^"]*\)".*/\1/p' sglang_fp8rl/compat/versions.py)
@@ -18,6 +19,13 @@ MATRIX_TESTS=(
   tests/test_kv_scales.py
 )
 [ -n "${MATRIX_EXTRA_TESTS:-}" ] && MATRIX_TESTS+=($MATRIX_EXTRA_TESTS)
+# the trainers' own code, on the SGLang release each one pins (verl 0.9.1: 0.5.12; slime's image: 0.5.15.post1)
+trainer_tests() {
+  case $1 in
+    0.5.12) echo tests/test_verl_integration.py tests/test_ignored_layers.py ;;
+    0.5.15.post1) echo tests/test_slime_integration.py ;;
+  esac
+}
 jobs=${MATRIX_JOBS:-2}
 logs=$(mktemp -d)
 versions=()
@@ -31,12 +39,14 @@ for version in "${versions[@]}"; do  # build (or reuse) each env; collecting one
     || { echo "[cpu_matrix] SGLang $version: env build failed"; cat "$logs/$version.build"; status=1; }
 done
 run() {
-  SGLANG_VERSION=$1 bash scripts/cpu_test.sh -q -p no:cacheprovider "${MATRIX_TESTS[@]}" "${@:2}" >"$logs/$1.log" 2>&1
+  # shellcheck disable=SC2046
+  SGLANG_VERSION=$1 bash scripts/cpu_test.sh -q -p no:cacheprovider "${MATRIX_TESTS[@]}" $(trainer_tests "$1") "${@:2}" \
+    >"$logs/$1.log" 2>&1
   echo $? >"$logs/$1.rc"
 }
 i=0
 for version in "${versions[@]}"; do
-  echo "[cpu_matrix] SGLang $version: ${MATRIX_TESTS[*]}"
+  echo "[cpu_matrix] SGLang $version: ${MATRIX_TESTS[*]} $(trainer_tests "$version")"
   run "$version" "$@" &
   i=$((i + 1))
   (( i % jobs == 0 )) && wait

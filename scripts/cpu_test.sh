@@ -12,7 +12,10 @@ version=${SGLANG_VERSION:-$primary}
 pins=requirements/sglang-$version.txt
 [ -f "$pins" ] || { echo "[cpu_test] no pin file $pins: SGLang $version is not in the tested matrix" >&2; exit 2; }
 if [ "$version" = "$primary" ]; then venv=.venv; else venv=.venv-$version; fi
-stamp="$venv/.fp8rl-env-$(sha256sum "$pins" pyproject.toml | sha256sum | cut -c1-16)"
+stamp="$venv/.fp8rl-env-$(cat requirements/*.txt pyproject.toml | sha256sum | cut -c1-16)"
+# a pin file that includes a trainer's pins (requirements/verl-0.9.1.txt) makes that trainer's integration tests
+# mandatory in this env: skipping them for a missing import would hide a broken install
+grep -q "^-r verl-" "$pins" && export FP8RL_REQUIRE_VERL=1
 
 if [ ! -f "$stamp" ]; then
   t0=$(date +%s)
@@ -34,5 +37,9 @@ PY
   echo "[cpu_test] SGLang $version environment built in $(( $(date +%s) - t0 )) s"
 fi
 
+# FP8RL_TEST_JOBS pytest-xdist workers (default 2: most tests wait on a single-threaded SGLang worker process, so two
+# at a time keep both cores busy; 1 runs in this process, as scripts/cpu_matrix.sh does with two releases at a time).
 # pytest exits 5 when no test ran; that must fail CI, and it does because of set -e.
+jobs=${FP8RL_TEST_JOBS:-2}
+if [ "$jobs" -gt 1 ]; then set -- -n "$jobs" "$@"; fi
 exec "$venv/bin/python" -m pytest "$@"

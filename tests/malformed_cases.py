@@ -50,6 +50,15 @@ def _f8(dtype_name: str) -> Callable:
     return lambda n, t: (n, t.float().clamp(-1, 1).to(getattr(torch, dtype_name)))
 
 
+STEP_COMPLETE = "fp8rl.step_complete"  # sglang_fp8rl.weight_sync.fp8_payload.STEP_COMPLETE
+
+
+def _ending_step(make: Callable) -> Callable:
+    """``make``'s entry in a request that ends the step (the marker): an FP8 half without its partner is held for a
+    later request of the step, so only a request that ends the step can be refused for it (before writing)."""
+    return lambda n, t: [make(n, t), (STEP_COMPLETE, torch.zeros(()))]
+
+
 def _nan_at(index: int) -> Callable:
     def make(n: str, t: torch.Tensor):
         t = t.clone()
@@ -88,7 +97,8 @@ DEFECTS: dict[str, tuple[Callable, str, tuple[str, ...]]] = {
     "name_empty": (lambda n, t: ("", t), "reject", ("name must be a non-empty string",)),
     "fused_qkv": (lambda n, t: ("model.layers.1.self_attn.qkv_proj.weight", torch.cat([t, t[:256]])), "reject",
                   ("qkv_proj",)),
-    "scale_tensor": (lambda n, t: (n + "_scale_inv", torch.ones(4, 2)), "reject", ("weight_scale_inv",)),
+    "scale_tensor": (_ending_step(lambda n, t: (n + "_scale_inv", torch.ones(4, 2))), "reject",
+                     ("weight_scale_inv without", "ends the step")),
     "layer_out_of_range": (lambda n, t: (n.replace("layers.1.", "layers.9."), t), "reject", ("layers.9",)),
     # dtypes
     "fp64": (lambda n, t: (n, t.double()), "reject", ("float64", "not accepted")),
@@ -96,7 +106,7 @@ DEFECTS: dict[str, tuple[Callable, str, tuple[str, ...]]] = {
     "int32": (lambda n, t: (n, t.to(torch.int32)), "reject", ("int32", "not accepted")),
     "bool": (lambda n, t: (n, t > 0), "reject", ("bool", "not accepted")),
     "complex64": (lambda n, t: (n, t.float().to(torch.complex64)), "reject", ("complex64", "not accepted")),
-    "e4m3fn": (_f8("float8_e4m3fn"), "reject", ("float8_e4m3fn",)),
+    "e4m3fn": (_ending_step(_f8("float8_e4m3fn")), "reject", ("weight without", "weight_scale_inv")),
     "e5m2": (_f8("float8_e5m2"), "reject", ("float8_e5m2", "not accepted")),
     "e4m3fnuz": (_f8("float8_e4m3fnuz"), "reject", ("float8_e4m3fnuz", "not accepted")),
     "e5m2fnuz": (_f8("float8_e5m2fnuz"), "reject", ("float8_e5m2fnuz", "not accepted")),

@@ -68,6 +68,7 @@ def scenario_updates(runner, extra: dict) -> dict:
     """Apply a list of update requests (each a list of (name, tensor) from a saved file) through SGLang's
     WeightUpdater; record each answer, pointers before/after, parameters after each request, and logits at the end."""
     from sglang_fp8rl.weight_sync import request
+    from sglang_fp8rl.weight_sync.step import current_step
     from sglang_fp8rl.weight_sync.update import engine_state
 
     model = runner.torch_runner.model
@@ -76,7 +77,7 @@ def scenario_updates(runner, extra: dict) -> dict:
         request.ROUTING_ONLY_MODELS = frozenset()
     requests = torch.load(extra["requests"], weights_only=False)
     ptrs_before = pointers(model)
-    answers, params_after = [], []
+    answers, params_after, steps = [], [], []
     for req in requests:
         kind = req.get("kind", "tensor")
         if kind == "tensor":
@@ -87,7 +88,9 @@ def scenario_updates(runner, extra: dict) -> dict:
             answers.append(updater.update_weights_from_disk(req["path"], "auto"))
         if extra.get("params_each", True):
             params_after.append(snapshot(model))
-    return {"answers": answers, "ptrs_before": ptrs_before, "ptrs_after": pointers(model),
+        if extra.get("step_each"):
+            steps.append(current_step().describe())
+    return {"answers": answers, "ptrs_before": ptrs_before, "ptrs_after": pointers(model), "steps": steps,
             "params_after": params_after, "final_params": snapshot(model), "logits": logits_for(runner),
             "state": {"consistent": engine_state().consistent, "updates": engine_state().updates}}
 

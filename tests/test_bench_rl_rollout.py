@@ -549,3 +549,31 @@ def test_percentiles_count_unfinished_requests_as_later_than_every_finished_one(
     assert RR.completion_percentile(done, 10, 50) == 5.5  # numpy rank 4.5 of 10: between the 5th and 6th
     assert RR.completion_percentile(done, 10, 90) is None
     assert RR.completion_percentile([], 10, 50) is None
+
+
+def test_gpus_run_a_waves_configs_side_by_side_one_per_gpu(tmp_path, monkeypatch, capsys):
+    """--gpus 0 1: configs run in waves of two, at the same time, each server seeing only its GPU; a third config
+    waits for the next wave."""
+    calls, lock = [], threading.Lock()
+
+    def run_config(item, log_path, workload, start_timeout, run_timeout, deadline_at=math.inf):
+        with lock:
+            calls.append((item["name"], item["env"].get("CUDA_VISIBLE_DEVICES"), time.time()))
+        time.sleep(0.3)
+        with lock:
+            calls.append((item["name"], "end", time.time()))
+        return {"flags": item["flags"], "status": "ok", "requests": []}
+
+    monkeypatch.setattr(RR, "run_config", run_config)
+    monkeypatch.setattr(RR, "fa3_missing", lambda plan: None)
+    monkeypatch.setitem(sys.modules, "make_models", types.SimpleNamespace(ensure=lambda d, names: None))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    wl = ["--num-prompts", "4", "--input-len", "4", "--output-median", "10", "--output-cap", "20"]
+    RR.main(["--out", str(tmp_path / "run"), "--model-dir", str(tmp_path), "--configs", "bf16", "fp8", "fp8_kv",
+             "--gpus", "0", "1", "--min-s", "1", *wl])
+    starts = {name: (gpu, t) for name, gpu, t in calls if gpu != "end"}
+    ends = {name: t for name, what, t in calls if what == "end"}
+    assert {name: gpu for name, (gpu, _) in starts.items()} == {"bf16": "0", "fp8": "1", "fp8_kv": "0"}
+    assert starts["fp8"][1] < ends["bf16"] and starts["bf16"][1] < ends["fp8"]  # side by side
+    assert starts["fp8_kv"][1] >= max(ends["bf16"], ends["fp8"])  # the next wave
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ

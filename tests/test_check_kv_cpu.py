@@ -10,6 +10,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu"))
 
 import check_kv  # noqa: E402
+from sglang_fp8rl.kv_scales.decode_fold import ALLOW_UNVERIFIED_ENV  # noqa: E402
 
 
 def test_drift_scales_v_and_o_by_a_power_of_two_and_nothing_else():
@@ -38,10 +39,10 @@ def test_check_backend_runs_end_to_end_against_stand_in_servers(tmp_path, monkey
 
     launched = []
 
-    def launch(model, port, log, *flags, mem):
+    def launch(model, port, log, *flags, mem, env_extra=None):
         with open(log, "w") as f:
             f.write("Capture cuda graph end\n")
-        launched.append((model, port, log, flags))
+        launched.append((model, port, log, flags, env_extra))
         return port
 
     scales = {"scales": {"0": [1.0, 2.0]}, "seconds": 0.05, "changed_layers": 1}
@@ -61,6 +62,10 @@ def test_check_backend_runs_end_to_end_against_stand_in_servers(tmp_path, monkey
     assert [entry[2] for entry in launched] == [str(tmp_path / "kv_triton_fused_a.log"),
                                                  str(tmp_path / "kv_triton_fused_b.log")]
     assert ("--fp8rl-kv-write", "fused") == launched[0][3][-2:]
+    # the verification switch goes to the servers it launches, never into this process (a leak would let later
+    # code here calibrate on unverified backends)
+    assert all(entry[4] == {ALLOW_UNVERIFIED_ENV: "1"} for entry in launched)
+    assert ALLOW_UNVERIFIED_ENV not in os.environ
     assert r["a_capture_lines"] == 1
     assert r["recalibrated_equals_fresh"] and r["stale_differs_from_fresh"]
     assert r["verdict"] == "PASS"

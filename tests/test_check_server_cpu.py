@@ -658,3 +658,10 @@ def test_sequence_reports_a_lenient_engine(dense, tmp_path):
     assert [c.name for c in checks] == EXPECTED_CHECKS
     assert failed == {"refuse_load_format_direct": "not refused (success false)",
                       "refuse_atomic_step_unknown_last": "not outputs unchanged"}
+
+
+def test_the_server_checks_step_marker_is_the_packages():
+    """The server check's step-complete marker is the name the engine knows."""
+    from sglang_fp8rl.weight_sync.fp8_payload import STEP_COMPLETE
+
+    assert sp.STEP_COMPLETE == STEP_COMPLETE

@@ -64,3 +64,12 @@ def test_case(results, case):
         assert word in message, f"{word!r} not in {message!r}"
     if record["path"]:
         assert record["path"] in message, message
+
+
+def test_the_suites_step_marker_is_the_packages():
+    """The marker the lone-half cases end their step with is the name the engine knows."""
+    import malformed_cases
+
+    from sglang_fp8rl.weight_sync.fp8_payload import STEP_COMPLETE
+
+    assert malformed_cases.STEP_COMPLETE == STEP_COMPLETE

@@ -119,6 +119,9 @@ def test_update_equivalence_and_pointers(models):
     assert_update_matches_cold_load(out, models["cold_w1"])
 
 
+MARKER = ("fp8rl.step_complete", torch.zeros(()))  # the step-complete control entry (weight_sync/fp8_payload.py)
+
+
 def bad_requests(models: dict) -> list[tuple[str, dict, str]]:
     """(case, request, expected message fragments separated by '|'): each must be refused with nothing written."""
     w1 = models["w1"]
@@ -132,11 +135,14 @@ def bad_requests(models: dict) -> list[tuple[str, dict, str]]:
         ("nan in an expert", {"tensors": [good, (up, nan)]}, "contains NaN/Inf|first at index [9, 4]"),
         ("expert id out of range", {"tensors": [good, ("model.layers.1.mlp.experts.4.up_proj.weight", w1[up])]},
          "not a parameter"),
-        # FP8 is accepted only as codes with their scales (pre-quantized updates, test_prequantized_updates.py)
-        ("fp8 expert", {"tensors": [good, (up, w1[up].to(torch.float8_e4m3fn))]},
-         "float8_e4m3fn codes need|up_proj.weight_scale_inv in the same update"),
+        # FP8 is accepted only as codes with their scales (pre-quantized updates, test_prequantized_updates.py); a half
+        # alone is held for a later request of the step, so a request that ends the step with one is refused
+        ("fp8 expert", {"tensors": [good, (up, w1[up].to(torch.float8_e4m3fn)), MARKER]},
+         "ends the step|up_proj.weight without model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"),
         ("expert scale", {"tensors": [good, ("model.layers.1.mlp.experts.3.up_proj.weight_scale_inv",
-                                             torch.ones(2, 2))]}, "a scale needs|as float8_e4m3fn codes"),
+                                             torch.ones(2, 2)), MARKER]}, "ends the step|up_proj.weight_scale_inv without"),
+        ("scale of a bf16 expert", {"tensors": [good, (up, w1[up]), (up + "_scale_inv", torch.ones(2, 2))]},
+         "a scale needs|as float8_e4m3fn codes"),
         ("router shape", {"tensors": [good, (router, w1[router][:2])]}, router),
     ]
 

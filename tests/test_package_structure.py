@@ -28,6 +28,8 @@ LAYERS: list[tuple[str, int]] = [
     ("sglang_fp8rl.weight_sync", 4),
     ("sglang_fp8rl.hooks", 5),
     ("sglang_fp8rl.plugin", 6),
+    # RL frameworks' glue (Ray worker hook, slime's parser): SGLang's plugin loader and our option names only
+    ("sglang_fp8rl.integrations", 6),
     ("sglang_fp8rl.demo", 7),
     ("sglang_fp8rl.cpu_runner", 7),
     ("sglang_fp8rl.startup_phases", 7),

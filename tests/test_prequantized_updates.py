@@ -195,3 +195,60 @@ def test_atomic_step_with_a_bad_last_bucket_writes_nothing(tmp_path):
     for name, want in cold["params"].items():
         assert_bytes(out["after_good"][name], want, name)
     assert out["last_request_names"][-1] == "fp8rl.step_complete"
+
+
+def split_pairs(payload: dict) -> list[list[tuple[str, torch.Tensor]]]:
+    """verl-style buckets that split pairs: each weight's codes in one request, its scale in the next, with the
+    BF16 tensors spread over both (the scale of the last weight arrives with the step marker)."""
+    codes = [(n, t) for n, t in payload.items() if t.dtype == torch.float8_e4m3fn]
+    plain = [(n, t) for n, t in payload.items() if t.dtype != torch.float8_e4m3fn and not n.endswith("_scale_inv")]
+    first = codes[: len(codes) // 2] + plain[: len(plain) // 2]
+    second = ([(n + "_scale_inv", payload[n + "_scale_inv"]) for n, _ in codes[: len(codes) // 2]]
+              + codes[len(codes) // 2:] + plain[len(plain) // 2:])
+    third = [(n + "_scale_inv", payload[n + "_scale_inv"]) for n, _ in codes[len(codes) // 2:]]
+    return [first, second, third + [("fp8rl.step_complete", torch.empty(0))]]
+
+
+def test_pairs_split_across_requests_are_held_and_written_with_their_partner(tmp_path):
+    """A weight's codes in one request, its scale in a later one of the same step: the engine holds the half that
+    came first (telemetry names it), writes the pair when the partner comes, and the step's end finds nothing
+    unpaired: every byte as if each pair had come together."""
+    write_checkpoint(str(tmp_path / "w0"), TINY, seed=60)
+    w1 = random_state_dict(TINY, seed=61)
+    payload = prequantized(w1)
+    requests = [{"tensors": r} for r in split_pairs(payload)]
+    out = run_update_requests(str(tmp_path / "w0"), tmp_path, "split", requests, *QUANT, step_each=True)
+    assert all(ok for ok, _ in out["answers"]), out["answers"]
+    held = [s["held_halves"] for s in out["steps"]]
+    codes = [n for n, t in payload.items() if t.dtype == torch.float8_e4m3fn]
+    assert held[0] == sorted(codes[: len(codes) // 2])
+    assert held[1] == sorted(codes[len(codes) // 2:])  # the first half written, the second half waiting
+    assert out["steps"][2]["steps_ended"] == 1 and held[2] == []
+    assert out["state"]["consistent"]
+    for layer in range(TINY["num_hidden_layers"]):
+        check_dense_layer(out["final_params"], payload, layer, fallback_mlp=False, bf16_o=False)
+
+
+def test_a_step_that_would_end_with_an_unpaired_half_is_refused_naming_both(tmp_path):
+    """The scale has not come when the request with the step marker arrives: that request is refused before any of
+    it is written, naming the weight and the scale it waits for; the half stays held, and a request bringing the
+    scale (with the marker) then ends the step with every byte as sent."""
+    write_checkpoint(str(tmp_path / "w0"), TINY, seed=62)
+    payload = prequantized(random_state_dict(TINY, seed=63))
+    name = "model.layers.1.mlp.down_proj.weight"
+    rest = [(n, t) for n, t in payload.items() if n not in (name, name + "_scale_inv")]
+    marker = ("fp8rl.step_complete", torch.empty(0))
+    requests = [{"tensors": [(name, payload[name])]}, {"tensors": rest + [marker]},
+                {"tensors": rest + [(name + "_scale_inv", payload[name + "_scale_inv"]), marker]}]
+    out = run_update_requests(str(tmp_path / "w0"), tmp_path, "unpaired", requests, *QUANT, step_each=True)
+    assert out["answers"][0][0], out["answers"]
+    ok, message = out["answers"][1]
+    assert not ok and name in message and name + "_scale_inv" in message and "nothing was written" in message
+    assert out["steps"][1]["held_halves"] == [name] and out["steps"][1]["steps_ended"] == 0
+    for key, before in out["params_after"][0].items():  # the refused request wrote nothing
+        assert_bytes(out["params_after"][1][key], before, key)
+    assert out["answers"][2][0], out["answers"]
+    assert out["steps"][2]["held_halves"] == [] and out["steps"][2]["steps_ended"] == 1
+    assert out["state"]["consistent"]
+    for layer in range(TINY["num_hidden_layers"]):
+        check_dense_layer(out["final_params"], payload, layer, fallback_mlp=False, bf16_o=False)

@@ -60,4 +60,75 @@ def test_queries_do_not_change_state():
     before = step.describe()
     assert step.describe() == before and step.open
     assert before == {"steps_ended": 0, "phase": "open", "session": False, "atomic": False, "requests": 1,
-                      "written": 1, "broken": "", "trainer_kv_layers": 1}
+                      "written": 1, "broken": "", "trainer_kv_layers": 1, "held_halves": [], "held_bytes": 0}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FP8 halves held across the requests of a step
+
+W = "model.layers.0.mlp.down_proj.weight"
+
+
+def _codes(rows: int = 256, cols: int = 256):
+    import torch
+
+    return torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
+
+
+def _scale():
+    import torch
+
+    return torch.ones(2, 2)
+
+
+def test_a_half_is_held_copied_and_taken_by_its_partner():
+    step = UpdateStep()
+    codes = _codes()
+    first = step.pairing([(W, codes)])
+    assert first.hold.keys() == {W} and first.named == [] and first.taken == ()
+    assert step.held == {}  # a query: nothing held until the request is applied
+    step.applied([], pairing=first)
+    assert step.held.keys() == {W} and step.held[W] is not codes  # a copy: the sender may reuse its buffer
+    assert step.held_bytes == 256 * 256 and step.describe()["held_halves"] == [W]
+    second = step.pairing([(W + "_scale_inv", _scale())])
+    assert second.taken == (W,) and [name for name, _ in second.named] == [W + "_scale_inv", W]
+    step.applied([W], pairing=second)
+    assert step.held == {} and step.end(LAYERS, marker=True).unpaired == ()
+
+
+def test_whole_pairs_in_one_request_hold_nothing():
+    pairing = UpdateStep().pairing([(W, _codes()), (W + "_scale_inv", _scale()), ("model.norm.weight", None)])
+    assert pairing.hold == {} and pairing.taken == ()
+
+
+def test_refusals_for_halves_that_cannot_be_held():
+    import pytest
+
+    from sglang_fp8rl.weight_sync import step as step_module
+    from sglang_fp8rl.weight_sync.validate import UpdateRejected
+
+    step = UpdateStep()
+    with pytest.raises(UpdateRejected, match="validate-only"):
+        step.pairing([(W, _codes())], validate_only=True)
+    with pytest.raises(UpdateRejected, match=f"ends the step.*{W} without {W}_scale_inv"):
+        step.pairing([(W, _codes())], ends_step=True)
+    step.applied([], pairing=step.pairing([(W, _codes())]))
+    with pytest.raises(UpdateRejected, match=f"{W} without {W}_scale_inv"):  # held from before, not completed here
+        step.pairing([("model.norm.weight", None)], ends_step=True)
+    limit = step_module.MAX_HELD_BYTES
+    try:
+        step_module.MAX_HELD_BYTES = 256 * 256 + 10
+        with pytest.raises(UpdateRejected, match="more than"):
+            step.pairing([("model.layers.1.mlp.down_proj.weight", _codes(16, 16))])
+    finally:
+        step_module.MAX_HELD_BYTES = limit
+
+
+def test_a_session_end_with_a_half_held_reports_it_unpaired_and_drops_it():
+    step = UpdateStep()
+    step.begin(session=True)
+    step.applied([], pairing=step.pairing([(W + "_scale_inv", _scale())]))
+    commit = step.end(LAYERS)
+    assert commit.unpaired == (W + "_scale_inv",) and commit.unpaired_weights == (W,)
+    assert commit.unpaired_message() == f"{W}_scale_inv without {W}"
+    assert step.held == {}

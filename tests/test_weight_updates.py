@@ -97,6 +97,9 @@ def test_an_empty_flattened_bucket_is_a_no_op(models):
     assert out["ptrs_before"] == out["ptrs_after"] and out["state"]["consistent"]
 
 
+MARKER = ("fp8rl.step_complete", torch.zeros(()))  # the step-complete control entry (weight_sync/fp8_payload.py)
+
+
 def bad_requests(models) -> list[tuple[str, dict, str]]:
     """(case, request, expected message fragment): each must be refused with nothing written."""
     w1 = models["w1"]
@@ -116,16 +119,19 @@ def bad_requests(models) -> list[tuple[str, dict, str]]:
         ("wrong shape bf16 param", {"tensors": [good, ("model.norm.weight", w1["model.norm.weight"][:10])]},
          "model.norm.weight"),
         ("wrong dtype int", {"tensors": [good, (k, w1[k].to(torch.int32))]}, "dtype torch.int32 is not accepted"),
-        ("fp8 without scale", {"tensors": [good, (k, w1[k].to(torch.float8_e4m3fn))]},
-         "k_proj.weight_scale_inv in the same update"),
+        # an FP8 half alone is held for a later request of the step: refused when the request ends the step
+        ("fp8 without scale", {"tensors": [good, (k, w1[k].to(torch.float8_e4m3fn)), MARKER]},
+         "k_proj.weight without model.layers.0.self_attn.k_proj.weight_scale_inv"),
         ("nan", {"tensors": [good, (k, nan)]}, "contains NaN/Inf in BF16 (first at index [5, 7])"),
         ("inf in a bf16 param", {"tensors": [good, ("model.norm.weight", inf)]}, "contains NaN/Inf in BF16 (first at index [3])"),
         ("fp32 overflowing bf16", {"tensors": [good, (k, overflow)]}, "contains NaN/Inf in BF16 (first at index [1, 2])"),
         ("duplicate", {"tensors": [good, good]}, "appears more than once"),
         ("fused name", {"tensors": [good, ("model.layers.0.self_attn.qkv_proj.weight",
                                            torch.cat([w1[good[0]], w1[k], w1[k]]))]}, "not accepted"),
-        ("scale tensor", {"tensors": [good, ("model.layers.0.self_attn.o_proj.weight_scale_inv",
-                                             torch.ones(2, 2))]}, "a scale needs model.layers.0.self_attn.o_proj.weight"),
+        ("scale tensor", {"tensors": [good, ("model.layers.0.self_attn.o_proj.weight_scale_inv", torch.ones(2, 2)),
+                                      MARKER]}, "o_proj.weight_scale_inv without model.layers.0.self_attn.o_proj.weight"),
+        ("scale of a bf16 weight", {"tensors": [good, (k, w1[k]), (k + "_scale_inv", torch.ones(1, 2))]},
+         "a scale needs model.layers.0.self_attn.k_proj.weight as float8_e4m3fn codes"),
         ("truncated bucket", {"kind": "bucket", "bucket": truncated}, "truncated bucket"),
     ]
 

@@ -75,13 +75,13 @@ def same(a: list[dict], b: list[dict]) -> bool:
 def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int, kv_write: str = "sglang") -> dict:
     from sglang_fp8rl.weight_sync.client import push_state_dict, recalibrate_kv_scales
 
-    # FlashInfer is not verified yet: calibrating on it needs the verification switch (this check is that verification)
-    env_extra = {"SGLANG_FLASHINFER_USE_PAGED": "1", ALLOW_UNVERIFIED_ENV: "1"} if backend == "flashinfer" else {}
-    os.environ.update(env_extra)
+    # a backend not verified yet needs the verification switch to calibrate (this check is that verification)
+    env_extra = {"SGLANG_FLASHINFER_USE_PAGED": "1"} if backend == "flashinfer" else {}
+    env_extra[ALLOW_UNVERIFIED_ENV] = "1"
     flags = (*KV_FLAGS, "--attention-backend", backend, "--fp8rl-kv-write", kv_write)
     r: dict = {"backend": backend if kv_write == "sglang" else f"{backend} (--fp8rl-kv-write {kv_write})"}
     log_a, log_b = (os.path.join(out, f"kv_{backend}_{kv_write}_{which}.log") for which in "ab")
-    a = launch(w0, port, log_a, *flags, mem=0.35)
+    a = launch(w0, port, log_a, *flags, mem=0.35, env_extra=env_extra)
     try:
         r["a_startup_s"] = wait_healthy(port, a)
         o0, s0 = generate(port), kv_scales(port)
@@ -103,7 +103,7 @@ def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int
         stop(a)
     with open(log_a, errors="replace") as f:
         r["a_capture_lines"] = sum("Capture cuda graph end" in line or "Capture decode" in line for line in f)
-    b = launch(w1, port + 1, log_b, *flags, mem=0.35)
+    b = launch(w1, port + 1, log_b, *flags, mem=0.35, env_extra=env_extra)
     try:
         r["b_startup_s"] = wait_healthy(port + 1, b)
         out_b, sb = generate(port + 1), kv_scales(port + 1)

@@ -13,7 +13,8 @@
 #             targets, the load-time KV-scale recalibration vs a 1k-token rollout at bs 128; KV_ARGS (~5-6 min)
 #   kv_fi     the same with --attention-backend flashinfer (SGLANG_FLASHINFER_USE_PAGED=1 for FP8 KV), merging the
 #             kv stage's results so that BF16's fastest backend is the denominator; KV_FI_ARGS  (~6-9 min: own call)
-#   kvcheck   scripts/gpu/check_kv.py: recalibrated FP8 KV scales == a fresh server's, graphs included (triton, flashinfer)
+#   kvcheck   scripts/gpu/check_kv.py: recalibrated FP8 KV scales == a fresh server's, graphs included (triton, flashinfer;
+#             KVCHECK_ARGS="--backends fa3" for FlashAttention-3)
 #   kv_acc    scripts/accuracy_regression.py on the toy policy (trained first if missing) and its drifted copy
 #             (K/V range x powers of two): BF16 vs fp8 / fp8_kv_static / fp8_kv_calibrate; resumable: rc 3 = call the
 #             stage again (records in ${WORK}_kv_acc_records); KV_ACC_ARGS        (8 engines: ~2 calls warm)
@@ -23,6 +24,8 @@
 #   server    scripts/gpu/check_server.py on qwen3-small: launch_server + weight updates over HTTP (bit-for-bit vs a
 #             cold start, 12 refused bad updates, pre-quantized FP8 by tensor / bucket / disk, 9 updates during
 #             generation); SERVER_ARGS e.g. "--moe" or "--tp-size 2"                              (~4-5 min)
+#   broadcast scripts/gpu/check_broadcast.py (two GPUs): update_weights_from_distributed over NCCL, BF16 and FP8
+#             codes + scales, split pairs, refused broadcasts keep the group in step      (~3 min)
 #   quant     scripts/bench_quant.py --json $WORK/bench_quant.json (quantization kernel micro-benchmark)
 #   gemm      scripts/bench_gemm.py: per-shape block-FP8 GEMM candidates vs BF16 (Qwen3-8B shapes); GEMM_ARGS
 #   startup   scripts/bench_startup.py: cold/warm launch_server start, BF16 vs fp8_online_blockwise (Qwen3-8B)
@@ -169,6 +172,8 @@ for st in "$@"; do
         --budget-s 240 --deadline-s $(( l - 25 )) ${MOE_ARGS:-} ;;
     kvcheck)  # FP8 KV scales: recalibrated in place == a fresh server with the same weights, per backend
       run_stage kvcheck 200 560 $PY scripts/gpu/check_kv.py --out "$WORK/kvcheck" ${KVCHECK_ARGS:-} ;;
+    broadcast)  # two GPUs: /update_weights_from_distributed over NCCL, BF16 and pre-quantized FP8, refusals
+      run_stage broadcast 150 480 $PY scripts/gpu/check_broadcast.py --model-dir "$MODELS" --out "$WORK/broadcast" ;;
     server)  # the script writes its model folder (qwen3-small, or qwen3-moe-small with --moe) into $MODELS
       run_stage server 150 560 $PY scripts/gpu/check_server.py --model-dir "$MODELS" --out "$WORK/server" \
         ${SERVER_ARGS:-} ;;
@@ -214,6 +219,7 @@ SUM=$WORK/suite_summary_$STAMP.md
                 [ -f "$WORK/accuracy/summary.md" ] && { echo; cat "$WORK/accuracy/summary.md"; } ;;
       kv_acc) [ -f "$WORK/kv_acc/summary.md" ] && { echo; cat "$WORK/kv_acc/summary.md"; } ;;
       kvcheck) [ -f "$LOGS/kvcheck.log" ] && { echo; echo "## kvcheck"; grep -E "^\|" "$LOGS/kvcheck.log"; } ;;
+      broadcast) [ -f "$LOGS/broadcast.log" ] && { echo; echo "## broadcast"; grep -E "^\||FAIL" "$LOGS/broadcast.log"; } ;;
       rollout|profile|moe|kv|kv_fi) [ -f "$WORK/$st/summary.md" ] && { echo; echo "## $st"; cat "$WORK/$st/summary.md"; }
                 [ "$st" = profile ] && [ -f "$WORK/profile/profile_top_kernels.txt" ] && head -30 "$WORK/profile/profile_top_kernels.txt" ;;
       server) if [ -f "$WORK/server/summary.md" ]; then echo; cat "$WORK/server/summary.md"
@@ -237,7 +243,7 @@ for pair in rollout/results.json:rollout_results.json accuracy/accuracy.json:acc
             update/update_results.json:update_results.json startup/startup_results.json:startup_results.json \
             bench_gemm.json:bench_gemm.json rl/rl_results.json:rl_results.json rl/rl_curves.png:rl_curves.png \
             kv/results.json:kv_results.json kv_fi/results.json:kv_fi_results.json kv_acc/accuracy.json:kv_acc.json \
-            kvcheck/check_kv.json:check_kv.json rl_rollout/results.json:rl_rollout_results.json \
+            kvcheck/check_kv.json:check_kv.json broadcast/check_broadcast.json:check_broadcast.json rl_rollout/results.json:rl_rollout_results.json \
             rl_rollout/completion.png:rl_rollout.png; do
   src=$WORK/${pair%%:*}
   if [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && [ "$NCOPY" -lt 6 ]; then  # $OUT returns at most 8 files

@@ -15,6 +15,7 @@ import torch
 W1_SEED = 1234
 W2_SEED = 4321
 SCALE_SUFFIX = "_scale_inv"
+STEP_COMPLETE = "fp8rl.step_complete"  # sglang_fp8rl.weight_sync.fp8_payload.STEP_COMPLETE (tests/test_check_server_cpu.py)
 ROUTER_SUFFIX = ".mlp.gate.weight"  # Qwen3-MoE router: a replicated linear, kept in BF16 by the engine
 EMBED = "model.embed_tokens.weight"
 UNKNOWN_NAME = "model.layers.0.mlp.nope.weight"
@@ -306,7 +307,9 @@ def bad_updates(p: Payloads, step_bucket_bytes: int = STEP_BUCKET_BYTES) -> list
         BadUpdate("refuse_embed_v1_by_tensor", "tensor", [(EMBED, embed_v1)], (EMBED,), data={"shape": [vocab, 1]}),
         BadUpdate("refuse_embed_v1_from_disk", "disk", p.folders["embed_v1"], (EMBED,), data={"shape": [vocab, 1]}),
         BadUpdate("refuse_e5m2_by_tensor", "tensor", [(v, p.w2[v].float().to(torch.float8_e5m2))], (v, "float8_e5m2")),
-        BadUpdate("refuse_fp8_without_scale", "tensor", [(v, codes)], (v, "weight_scale_inv")),
+        # codes whose scale never comes: the request that ends the step (the marker) is refused before writing
+        BadUpdate("refuse_fp8_without_scale", "tensor", [(v, codes), (STEP_COMPLETE, torch.zeros((), device=dev))],
+                  (v, v + SCALE_SUFFIX)),
         BadUpdate("refuse_fp8_scale_wrong_shape", "tensor", [(v, codes), (v + SCALE_SUFFIX, scale[:-1].contiguous())],
                   (v + SCALE_SUFFIX, "shape"), data={"scale_shape": list(scale[:-1].shape)}),
         BadUpdate("refuse_bucket_misaligned", "bucket", misaligned_bucket(p.w2, v), (v, "aligned")),

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from sglang_fp8rl.hooks.kv_cache import recalibrate_if_due
+from sglang_fp8rl.weight_sync import guard
 from sglang_fp8rl.weight_sync.step import current_step, end_step
 from sglang_fp8rl.weight_sync.update import is_attached
 
@@ -34,8 +35,10 @@ def wrap_end(original: Callable) -> Callable:
         output = original(self, recv_req)
         model = served_model(self)
         if getattr(output, "success", False) and is_attached(model):
-            end_step(model)
+            commit = end_step(model)
             recalibrate_if_due(self)
+            if commit is not None and commit.unpaired:
+                output.success, output.message = False, guard.with_state(guard.unpaired_answer(commit))
         return output
 
     return end_weight_update

@@ -42,6 +42,7 @@ from sglang_fp8rl.weight_sync.fp8_payload import (
 )
 from sglang_fp8rl.weight_sync.kv_updates import prepare_kv_scales, split_kv_scales, write_kv_scales
 from sglang_fp8rl.weight_sync.request import validate_request, validate_stream
+from sglang_fp8rl.weight_sync.step import current_step
 from sglang_fp8rl.weight_sync.update import apply_validated, is_attached, original_load_weights, validated_stream
 from sglang_fp8rl.weight_sync.validate import WIRE_DTYPES, NamedTensors, UpdateRejected, check_name, request_bytes
 
@@ -77,9 +78,11 @@ def prepared_request(model: torch.nn.Module, named: NamedTensors, validate_only:
     written)."""
     weights, control = split_control(named)
     weights, kv_entries = split_kv_scales(weights)
-    validated = validate_request(model, original_load_weights(model), attach_scales(weights))
+    pairing = current_step().pairing(weights, validate_only=validate_only, ends_step=STEP_COMPLETE in control)
+    validated = validate_request(model, original_load_weights(model), attach_scales(pairing.named))
     return guard.Prepared(validated, tensors=len(weights), bytes=request_bytes(weights), validate_only=validate_only,
-                          step_complete=STEP_COMPLETE in control, kv_scales=prepare_kv_scales(model, kv_entries))
+                          step_complete=STEP_COMPLETE in control, kv_scales=prepare_kv_scales(model, kv_entries),
+                          pairing=pairing)
 
 
 def writer(model: torch.nn.Module) -> Callable[[guard.Prepared], None]:
@@ -306,7 +309,7 @@ def wrap_update_from_disk(original: Callable) -> Callable:
             return validate_checkpoint_on_disk(self, model_path, load_format, weight_name_filter)
 
         def write(prepared: guard.Prepared) -> None:
-            with validated_stream():
+            with validated_stream(model):
                 ok, message = original(self, model_path, load_format, weight_name_filter, recapture_cuda_graph)
             if not ok:
                 raise RuntimeError(message)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import re
 from typing import Any, Optional
@@ -16,6 +17,7 @@ from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.utils.hf_transformers.config import get_config
 
 from sglang_fp8rl.compat.runtime import server_args as current_server_args
+from sglang_fp8rl.layers.ignored import ignored_layers_from, ignored_match
 from sglang_fp8rl.layers.linear import Fp8OnlineBlockwiseLinearMethod
 from sglang_fp8rl.layers.moe import Fp8OnlineBlockwiseMoEMethod
 from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision
@@ -134,23 +136,67 @@ def bf16_reason(prefix: str, options: Fp8rlOptions, num_layers: Optional[int]) -
     return None
 
 
-def reject_quantized_checkpoint(hf_quant_config: Any) -> None:
+def trainer_ignored_reason(prefix: str, ignored_layers: tuple[str, ...], num_experts: Optional[int] = None
+                           ) -> Optional[str]:
+    """Why a trainer's ignored layers (verl's rule, layers/ignored.py) keep this module in BF16, or None."""
+    hit = ignored_match(prefix, ignored_layers, num_experts)
+    return None if hit is None else f"ignored layer {hit!r}"
+
+
+def reject_quantized_checkpoint(hf_quant_config: Any, why: str = "this checkpoint is already quantized") -> None:
     """Raise a clear error: this method quantizes BF16/FP32 checkpoints, not already-quantized ones."""
     method = hf_quant_config.get("quant_method", "?") if isinstance(hf_quant_config, dict) else "?"
     raise ValueError(
-        f"--quantization {NAME} quantizes a BF16/FP32 checkpoint online, but this checkpoint is already quantized "
-        f"(config.json quantization_config quant_method={method!r}). Serve it without --quantization to use its own "
+        f"--quantization {NAME} quantizes a BF16/FP32 checkpoint online, but {why} "
+        f"(quantization_config quant_method={method!r}). Serve it without --quantization to use its own "
         f"scales, or point --model-path at the BF16 checkpoint."
     )
+
+
+def is_rollout_fp8_request(hf_quant_config: Any) -> bool:
+    """A quantization_config that asks for exactly this method's scheme (what verl's FP8 rollout mode injects):
+    ``fp8``, dynamic activations, E4M3, blocks of :data:`DEFAULT_BLOCK_SIZE`."""
+    if not isinstance(hf_quant_config, dict):
+        return False
+    block = hf_quant_config.get("weight_block_size")
+    return (str(hf_quant_config.get("quant_method", "")).lower() == "fp8"
+            and hf_quant_config.get("activation_scheme", "dynamic") == "dynamic"
+            and hf_quant_config.get("fmt", "e4m3") == "e4m3"
+            and block is not None and tuple(block) == tuple(DEFAULT_BLOCK_SIZE))
+
+
+def injected_quantization_config(server_args: Optional[Any]) -> Optional[dict]:
+    """The quantization_config put in by ``--json-model-override-args`` (not read from the checkpoint), or None."""
+    text = getattr(server_args, "json_model_override_args", None) or "{}"
+    try:
+        overrides = json.loads(text) if isinstance(text, str) else dict(text)
+    except (TypeError, ValueError):
+        return None
+    config = overrides.get("quantization_config") if isinstance(overrides, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def accept_injected_request(hf_quant_config: dict) -> tuple[str, ...]:
+    """The trainer's ignored layers of an injected rollout-FP8 request; ValueError for a quantized checkpoint."""
+    injected = injected_quantization_config(current_server_args())
+    if injected is None:
+        reject_quantized_checkpoint(hf_quant_config)
+    if not is_rollout_fp8_request(injected):
+        reject_quantized_checkpoint(injected, "--json-model-override-args injects a quantization_config that is "
+                                              f"not dynamic E4M3 with blocks {list(DEFAULT_BLOCK_SIZE)}")
+    return ignored_layers_from(injected)
 
 
 class Fp8OnlineBlockwiseConfig(QuantizationConfig):
     """DeepSeek-style blockwise FP8 (128x128 weights, dynamic 1x128 activations) from a BF16/FP32 checkpoint."""
 
-    def __init__(self, options: Optional[Fp8rlOptions] = None, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE):
+    def __init__(self, options: Optional[Fp8rlOptions] = None, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
+                 ignored_layers: Optional[tuple[str, ...]] = None):
         super().__init__()
         refuse_unsupported_setup(current_server_args())
         self.options = options if options is not None else get_options()
+        # a trainer's BF16 layers (verl's matching, layers/ignored.py): the injected config's, else the env var's
+        self.ignored_layers = ignored_layers if ignored_layers is not None else ignored_layers_from(None)
         # deliberately not named `weight_block_size`: SGLang's CPU path pads intermediate sizes of configs that have
         # one (configs/update_config.py), which would hide the per-channel fallback this package is built for
         self.block_size = tuple(block_size)
@@ -178,14 +224,18 @@ class Fp8OnlineBlockwiseConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Fp8OnlineBlockwiseConfig:
-        # SGLang calls this only when the checkpoint carries a quantization_config
-        reject_quantized_checkpoint(config)
+        # SGLang calls this only when the model config carries a quantization_config: served only when a trainer
+        # injected it on a BF16 checkpoint (verl's FP8 rollout mode), refused when it came with the checkpoint
+        return cls(ignored_layers=accept_injected_request(config))
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg: Any, user_quant: Optional[str]) -> Optional[str]:
-        if user_quant == NAME and hf_quant_cfg:
+        # runs in every process that builds a ModelConfig; whether the config was injected is checked in from_config
+        if user_quant != NAME or not hf_quant_cfg:
+            return None
+        if not is_rollout_fp8_request(hf_quant_cfg):
             reject_quantized_checkpoint(hf_quant_cfg)
-        return None
+        return NAME
 
     def get_scaled_act_names(self) -> list[str]:
         return []
@@ -200,12 +250,14 @@ class Fp8OnlineBlockwiseConfig(QuantizationConfig):
             # replicated linears are routers / small gates: BF16 by type, whatever their name
             reason = "replicated linear (router/gate)" if isinstance(layer, ReplicatedLinear) else None
             reason = reason or bf16_reason(prefix, self.options, self._layers_total())
+            reason = reason or trainer_ignored_reason(prefix, self.ignored_layers)
             if reason is not None:
                 self.report.record(prefix, SchemeDecision(Scheme.BF16, reason))
                 return UnquantizedLinearMethod()
             return Fp8OnlineBlockwiseLinearMethod(self, prefix)
         if isinstance(layer, FusedMoE):
             reason = bf16_reason(prefix, self.options, self._layers_total())
+            reason = reason or trainer_ignored_reason(prefix, self.ignored_layers, getattr(layer, "num_experts", None))
             if reason is not None:
                 self.report.record(prefix, SchemeDecision(Scheme.BF16, reason))
                 return None  # FusedMoE then builds SGLang's UnquantizedFusedMoEMethod

@@ -11,7 +11,6 @@ Storage conventions (SGLang's): ``weight_scale_inv`` is the blockwise *dequantiz
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import hashlib
 from collections.abc import Iterator, Sequence
@@ -52,6 +51,9 @@ class Fp8LayerState:
     decision: SchemeDecision
     block_size: tuple[int, int]
     scale_format: str
+    # while a validated update is written (prevalidated_writes): its one device flag for non-finite input, raised by
+    # the quantizers instead of their own NaN/Inf pre-read (the update already checked every tensor)
+    nonfinite_flag: Optional[torch.Tensor] = dataclasses.field(default=None, compare=False, repr=False, kw_only=True)
 
     @property
     def is_block(self) -> bool:
@@ -68,26 +70,22 @@ def layer_state(module: torch.nn.Module) -> Optional[Fp8LayerState]:
 # ---------------------------------------------------------------------------------------------------------------------
 # non-finite mode of a validated update
 
-# set while a validated weight update is applied: the quantizers then skip their own NaN/Inf pre-read (the update
-# already checked every tensor) and raise a device flag instead, checked once per update
-_PREVALIDATED_FLAG: contextvars.ContextVar[Optional[torch.Tensor]] = contextvars.ContextVar(
-    "fp8rl_prevalidated_flag", default=None
-)
-
-
 @contextlib.contextmanager
-def prevalidated_writes(device: torch.device) -> Iterator[Optional[torch.Tensor]]:
-    """Inside this block, writes on ``device`` (CUDA) use one shared non-finite flag instead of a pre-read."""
+def prevalidated_writes(states: Sequence[Fp8LayerState], device: torch.device) -> Iterator[Optional[torch.Tensor]]:
+    """Inside this block, the layers' writes on ``device`` (CUDA) use one shared non-finite flag instead of a
+    pre-read; the flag is each layer state's for the duration, and cleared after."""
     flag = new_nonfinite_flag(device) if device.type == "cuda" else None
-    token = _PREVALIDATED_FLAG.set(flag)
+    for state in states:
+        state.nonfinite_flag = flag
     try:
         yield flag
     finally:
-        _PREVALIDATED_FLAG.reset(token)
+        for state in states:
+            state.nonfinite_flag = None
 
 
-def _flag_for(device: torch.device) -> Optional[torch.Tensor]:
-    flag = _PREVALIDATED_FLAG.get()
+def _flag_for(state: Fp8LayerState, device: torch.device) -> Optional[torch.Tensor]:
+    flag = state.nonfinite_flag
     return flag if flag is not None and flag.device == device else None
 
 
@@ -101,7 +99,7 @@ def write_rows(state: Fp8LayerState, w: torch.Tensor, weight: torch.Tensor, scal
 
     ``scale`` is the whole scale of ``weight``: 2-D block scale for block layers, 1-D per-row scale otherwise."""
     w = w.to(torch.bfloat16).to(weight.device)  # round on the source device: half the bytes to move
-    flag = _flag_for(weight.device)
+    flag = _flag_for(state, weight.device)
     if state.is_block:
         rows = scale_rows(dst_rows, state.block_size[0], weight.shape[0])
         quantize_blockwise_into(w, weight[dst_rows], scale[rows], state.block_size, state.scale_format,
@@ -190,6 +188,7 @@ def write_planned(writes: Sequence[tuple[IncomingWrite, torch.Tensor]]) -> None:
     format and input dtype), pre-quantized blocks in one multi-tensor copy, the rest (per-channel layers, inputs on
     another device) one by one."""
     quantize: dict[tuple[tuple[int, int], str], list] = {}
+    flags: dict[tuple[tuple[int, int], str], Optional[torch.Tensor]] = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for target, loaded in writes:
         state, weight, scale = target.state, target.weight, target.scale
@@ -203,9 +202,10 @@ def write_planned(writes: Sequence[tuple[IncomingWrite, torch.Tensor]]) -> None:
             rows = scale_rows(target.dst_rows, state.block_size[0], weight.shape[0])
             item = (loaded[target.src_rows, target.src_cols], weight[target.dst_rows], scale[rows])
             quantize.setdefault((state.block_size, state.scale_format), []).append(item)
+            flags[(state.block_size, state.scale_format)] = _flag_for(state, weight.device)
     copy_pairs(copies)
     for (block_size, scale_format), items in quantize.items():
-        quantize_blockwise_many(items, _flag_for(items[0][1].device), block_size, scale_format)
+        quantize_blockwise_many(items, flags[(block_size, scale_format)], block_size, scale_format)
 
 
 def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -14,7 +14,8 @@ trainer step (the client sends it).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Sequence
+import dataclasses
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -72,6 +73,49 @@ def attach_scales(named: Sequence[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
             continue
         out.append((name, with_scale(tensor, block_scales[name]) if name in codes else tensor))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Pairing:
+    """One request matched against the halves held from earlier requests of its step (see :func:`complete_pairs`)."""
+
+    named: list  # the request, with each held partner it completes added (ready for attach_scales)
+    hold: dict  # name -> tensor: halves of this request whose partner has not arrived yet
+    taken: tuple[str, ...] = ()  # held names this request completes
+
+
+def is_weight_half(name: str) -> bool:
+    """Whether a half's name is the weight's (not its scale's)."""
+    return not _is_scale_name(name)
+
+
+def partner_name(name: str) -> str:
+    """The other half's name: a weight's scale, or a scale's weight."""
+    return name[: -len(SCALE_SUFFIX)] if _is_scale_name(name) else name + SCALE_SUFFIX
+
+
+def _is_half(name: Any, tensor: Any) -> bool:
+    return _is_scale_name(name) or (isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE)
+
+
+def complete_pairs(named: Sequence[tuple[Any, Any]], held: Mapping[str, torch.Tensor]) -> Pairing:
+    """Pair FP8 codes and scales across the requests of a step (verl's buckets split them): a half whose partner is
+    held joins it here; a half whose partner is neither here nor held is to be held. A scale whose weight came in
+    this request as BF16 is left for :func:`attach_scales` to refuse. Changes nothing."""
+    names = {name for name, _ in named if isinstance(name, str)}
+    out, hold, taken = list(named), {}, []
+    for name, tensor in named:
+        if not isinstance(name, str) or not _is_half(name, tensor):
+            continue
+        partner = partner_name(name)
+        if partner in names:
+            continue
+        if partner in held:
+            out.append((partner, held[partner]))
+            taken.append(partner)
+        else:
+            hold[name] = tensor
+    return Pairing([item for item in out if not (isinstance(item[0], str) and item[0] in hold)], hold, tuple(taken))
 
 
 def with_scale(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,9 @@ from typing import Callable, Optional
 import torch
 
 from sglang_fp8rl.weight_sync.consensus import Verdict, agree
+from sglang_fp8rl.weight_sync.fp8_payload import Pairing
 from sglang_fp8rl.weight_sync.request import Validated
-from sglang_fp8rl.weight_sync.step import current_step, end_step
+from sglang_fp8rl.weight_sync.step import Commit, current_step, end_step
 from sglang_fp8rl.weight_sync.update import UpdateStats, engine_state, model_device, new_stats, peak_memory, record
 from sglang_fp8rl.weight_sync.validate import UpdateRejected
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 # in every answer given while the engine is inconsistent (the HTTP process reads it: hooks/tokenizer.py)
 INCONSISTENT_MARK = "[fp8rl: engine inconsistent]"
 REJECTED = "[fp8rl] update rejected, nothing was written, previous weights kept: "
+REJECTED_HALVES = "[fp8rl] step ended with FP8 halves whose partner never came, not written: "
 VALIDATED = "[fp8rl] validated, nothing written (validate-only request)"
 PARTIAL = f"{INCONSISTENT_MARK} the engine holds a mix of old and new weights and refuses to serve until the " \
           "tensors of the failed update are re-sent: "
@@ -50,6 +52,7 @@ class Prepared:
     validate_only: bool = False  # the first phase of an all-or-nothing step: answer, write nothing
     step_complete: bool = False  # the last request of a trainer step
     kv_scales: Optional[dict[int, tuple[float, float]]] = None  # trainer-supplied, written after the weights
+    pairing: Optional[Pairing] = None  # FP8 halves it completes from earlier requests of the step, or leaves held
 
 
 def _describe(error: BaseException, context: str = "") -> str:
@@ -107,12 +110,18 @@ def run(model: torch.nn.Module, source: str, prepare: Callable[[], Prepared], wr
         record(stats)
         return False, PARTIAL + reason
     state.mark_written(prepared.validated.names, full=prepared.full)
-    current_step().applied(prepared.validated.names, kv_layers=prepared.kv_scales or ())
+    current_step().applied(prepared.validated.names, kv_layers=prepared.kv_scales or (), pairing=prepared.pairing)
     if prepared.step_complete:
-        end_step(model, marker=True)
+        end_step(model, marker=True)  # the request was refused up front if it left halves unpaired
     stats.ok, stats.message = True, "ok"
     record(stats)
     return True, with_state("Success")
+
+
+def unpaired_answer(commit: Commit) -> str:
+    """The answer to a session's end with FP8 halves still waiting for their partner (dropped, never written)."""
+    return (f"{REJECTED_HALVES}{commit.unpaired_message()}; those weights keep their old values, the rest of the step "
+            "was applied")
 
 
 def _refused(stats: UpdateStats, message: str) -> tuple[bool, str]:

@@ -10,8 +10,15 @@
 * **end**: SGLang's ``end_weight_update`` (0.5.21+), else a request carrying the step-complete marker, a disk update
   that rewrote every parameter, or a checkpoint-engine IPC update (one call per step). A marker inside a session is
   noted and the step ends with the session.
+* **held halves**: an FP8 weight and its scale may come in different requests of a step (verl's buckets split them).
+  An applied request leaves the half whose partner has not come yet with the step (a copy, at most
+  :data:`MAX_HELD_BYTES` in all; a request that would hold more is refused); the request that brings the partner
+  writes the pair. Validate-only requests must carry whole pairs, and a request that ends the step (the marker) is
+  refused, before any of it is written, if a half would stay without its partner.
 * **commit** (what :meth:`UpdateStep.end` returns, applied by the caller): a KV-scale recalibration becomes due
-  unless the trainer sent every attention layer's scales during the step.
+  unless the trainer sent every attention layer's scales during the step; halves still held when a session ends are
+  *unpaired*: dropped, their weights never written (old values kept), and the end is answered as refused, naming
+  each half and its partner.
 * **broken**: in an atomic step, a request refused after another was written (:meth:`UpdateStep.refused` says so at
   once, with the tensors written so far): the engine holds a mix of two policies, and the caller marks those tensors
   *dirty* (the engine refuses to serve until they are re-sent). A trainer that stops after a refusal never ends the
@@ -32,6 +39,12 @@ import torch
 
 from sglang_fp8rl.kv_scales.engine import mark_calibrated, mark_due
 from sglang_fp8rl.kv_scales.layers import attention_layers
+from sglang_fp8rl.weight_sync.fp8_payload import Pairing, complete_pairs, is_weight_half, partner_name
+from sglang_fp8rl.weight_sync.validate import NamedTensors, UpdateRejected
+
+# the most bytes of FP8 halves a step holds for their partners (one bucket-split pair is one weight's codes: tens of
+# MB for an 8B model; a trainer that splits every pair is sending scales and codes in separate steps)
+MAX_HELD_BYTES = 1 << 30
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +62,16 @@ class Commit:
 
     index: int
     recalibrate: bool  # a KV-scale recalibration is due
+    unpaired: tuple[str, ...] = ()  # held halves whose partner never came
+
+    @property
+    def unpaired_weights(self) -> tuple[str, ...]:
+        """The weights of the unpaired halves (never written in this step)."""
+        return tuple(sorted({name if is_weight_half(name) else partner_name(name) for name in self.unpaired}))
+
+    def unpaired_message(self) -> str:
+        """Each unpaired half with the partner it waited for."""
+        return ", ".join(f"{name} without {partner_name(name)}" for name in self.unpaired)
 
 
 @dataclasses.dataclass
@@ -64,6 +87,34 @@ class UpdateStep:
     broken: str = ""  # an atomic step's first refusal after a write: the step is half applied
     trainer_kv_layers: set[int] = dataclasses.field(default_factory=set)
     complete_requested: bool = False  # a step-complete marker arrived inside a session
+    held: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # FP8 halves awaiting their partner
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the halves held for their partners."""
+        return sum(t.numel() * t.element_size() for t in self.held.values())
+
+    def pairing(self, named: NamedTensors, validate_only: bool = False, ends_step: bool = False) -> Pairing:
+        """A request matched with the halves held (a query: what applying it would hold or take); UpdateRejected
+        when it would hold halves in a validate-only request, leave any held at the step's end, or hold more than
+        :data:`MAX_HELD_BYTES`."""
+        pairing = complete_pairs(named, self.held)
+        left = sorted(set(self.held) - set(pairing.taken) | set(pairing.hold))
+        if ends_step and left:
+            raise UpdateRejected("this request ends the step, but FP8 halves would stay without their partner: "
+                                 + ", ".join(f"{name} without {partner_name(name)}" for name in left))
+        if not pairing.hold:
+            return pairing
+        first = sorted(pairing.hold)[0]
+        if validate_only:
+            raise UpdateRejected(f"{first}: an all-or-nothing (validate-only) request must carry "
+                                 f"{partner_name(first)} too (split pairs are taken only in applied requests)")
+        extra = sum(t.numel() * t.element_size() for t in pairing.hold.values())
+        if self.held_bytes + extra > MAX_HELD_BYTES:
+            raise UpdateRejected(f"{first}: waiting for {partner_name(first)} would hold {self.held_bytes + extra:,} "
+                                 f"bytes of FP8 halves in this step, more than {MAX_HELD_BYTES:,}; send each weight "
+                                 "with its scale")
+        return pairing
 
     @property
     def open(self) -> bool:
@@ -83,12 +134,17 @@ class UpdateStep:
         self.requests += 1
         self.atomic = True
 
-    def applied(self, names: Iterable[str], kv_layers: Iterable[int] = ()) -> None:
-        """A request was written in full: its tensors, and the layers whose KV scales the trainer sent."""
+    def applied(self, names: Iterable[str], kv_layers: Iterable[int] = (), pairing: Optional[Pairing] = None) -> None:
+        """A request was written in full: its tensors, the layers whose KV scales the trainer sent, and (``pairing``)
+        the held halves it completed and the halves it leaves to hold (copied: the sender may reuse its buffers)."""
         self.begin()
         self.requests += 1
         self.written.update(names)
         self.trainer_kv_layers.update(kv_layers)
+        if pairing is not None:
+            for name in pairing.taken:
+                self.held.pop(name, None)
+            self.held.update({name: tensor.clone() for name, tensor in pairing.hold.items()})
 
     def refused(self, message: str) -> tuple[str, ...]:
         """A request was refused (nothing of it written). In an atomic step after a write the step breaks: returns
@@ -106,7 +162,8 @@ class UpdateStep:
         if marker and self.session:
             self.complete_requested = True
             return None
-        commit = Commit(index=self.index + 1, recalibrate=len(self.trainer_kv_layers) < num_attention_layers)
+        commit = Commit(index=self.index + 1, recalibrate=len(self.trainer_kv_layers) < num_attention_layers,
+                        unpaired=tuple(sorted(self.held)))
         self.reset(commit.index)
         return commit
 
@@ -120,7 +177,8 @@ class UpdateStep:
         """Telemetry for /get_server_info (a query: changes nothing)."""
         return {"steps_ended": self.index, "phase": self.phase.value, "session": self.session, "atomic": self.atomic,
                 "requests": self.requests, "written": len(self.written), "broken": self.broken,
-                "trainer_kv_layers": len(self.trainer_kv_layers)}
+                "trainer_kv_layers": len(self.trainer_kv_layers), "held_halves": sorted(self.held),
+                "held_bytes": self.held_bytes}
 
 
 _STEP = UpdateStep()
@@ -137,6 +195,9 @@ def end_step(model: torch.nn.Module, marker: bool = False) -> Optional[Commit]:
     commit = _STEP.end(len(attention_layers(model)), marker=marker)
     if commit is None:
         return None
+    if commit.unpaired:
+        logger.error("[fp8rl] step %d ended with FP8 halves whose partner never came (%s): dropped, those weights keep "
+                     "their old values", commit.index, commit.unpaired_message())
     if commit.recalibrate:
         mark_due()
     else:  # the trainer's scales are the newest: they also supersede a recalibration still due from an earlier step

@@ -11,7 +11,6 @@ refuses to serve, until later successful updates have re-sent every dirty tensor
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import logging
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -157,7 +156,8 @@ def apply_validated(model: torch.nn.Module, load_weights: Callable, validated: V
     the model's load_weights; errors propagate (the caller knows writing has started)."""
     device = model_device(model)
     _STATE.writes += 1
-    with prevalidated_writes(device) as flag:
+    states = [state for state in map(layer_state, model.modules()) if state is not None]
+    with prevalidated_writes(states, device) as flag:
         write_planned(list(validated.incoming_writes()))
         copy_pairs([(param.data, tensor) for param, tensor in validated.plain_copies()])  # SGLang's default loader
         if validated.to_load:
@@ -185,18 +185,16 @@ def peak_memory(stats: UpdateStats, device: torch.device) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------------------------------
 # the guard on model.load_weights
 
-# set while an entry point streams a checkpoint it has already validated in full (the disk path's second pass)
-_VALIDATED_STREAM: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8rl_validated_stream", default=False)
-
-
 @contextlib.contextmanager
-def validated_stream() -> Iterator[None]:
-    """Inside this block, ``model.load_weights`` streams its input straight through (validated beforehand)."""
-    token = _VALIDATED_STREAM.set(True)
+def validated_stream(model: torch.nn.Module) -> Iterator[None]:
+    """Inside this block, the model's guarded ``load_weights`` streams its input straight through: the caller (the
+    disk path's second pass) validated all of it beforehand."""
+    guard = model.__dict__["load_weights"]
+    guard.streaming_validated = True
     try:
         yield
     finally:
-        _VALIDATED_STREAM.reset(token)
+        guard.streaming_validated = False
 
 
 class GuardedLoadWeights:
@@ -209,9 +207,10 @@ class GuardedLoadWeights:
     def __init__(self, model: torch.nn.Module, original: Callable):
         self.model = model
         self.original = original
+        self.streaming_validated = False  # set by validated_stream() around a pass it validated itself
 
     def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
-        if _VALIDATED_STREAM.get():
+        if self.streaming_validated:
             return self.original(pair_stream(weights))
         return self.update(list(weights))
 

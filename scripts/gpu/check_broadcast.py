@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""GPU check of `/update_weights_from_distributed` over NCCL with the plugin: BF16 and pre-quantized FP8 broadcasts.
+
+Needs two GPUs: the server (`--quantization fp8_online_blockwise`, qwen3-small, TP 1) on the first, this process (the
+trainer, rank 0 of the update group) on the second; NCCL refuses two ranks on one GPU. Checks, each PASS/FAIL:
+  1. reference outputs: W1 pre-quantized (FP8 codes + power-of-two scales) pushed by tensor (CUDA IPC, proven exact
+     by check_server.py) -> R1; W2 in BF16 by tensor -> R2 (must differ from R1);
+  2. the same W1 FP8 payload broadcast over NCCL (`push_distributed`, several buckets, the step-complete marker
+     after the last) -> outputs equal R1 bit for bit (tokens and every logprob), FP8 parameter pointers unchanged;
+  3. W2 in BF16 broadcast over NCCL -> R2 bit for bit;
+  4. broadcasts the engine refuses: one float64 tensor among BF16 ones (refused from its metadata; sent past the
+     client's own preflight) and an unknown name (refused from content) -> refused with a message naming it, the
+     engine alive and unchanged; then W1 FP8 broadcast again over the same group -> R1 (the refused bytes were
+     received and dropped, the group is in step);
+  5. W1 FP8 with each weight and its scale in different buckets (verl's split) over NCCL -> R1.
+usage: python3 scripts/gpu/check_broadcast.py --model-dir DIR --out OUT [--server-gpu 0 --trainer-gpu 1]
+Writes OUT/check_broadcast.json; exit 0 when every check passed, 1 otherwise, 2 without two GPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+PORT = 30400
+GROUP_PORT = 29611
+BUCKET_BYTES = 16 << 20
+
+
+def same(a: list[dict], b: list[dict]) -> bool:
+    """Greedy tokens and every logprob identical."""
+    return [x["ids"] for x in a] == [x["ids"] for x in b] and [x["logprobs"] for x in a] == [x["logprobs"] for x in b]
+
+
+def split_pairs(payload: dict) -> list[list[tuple[str, object]]]:
+    """Two buckets: every FP8 weight's codes in the first, its scale in the second (BF16 tensors in the first)."""
+    first = [(n, t) for n, t in payload.items() if not n.endswith("_scale_inv")]
+    second = [(n, t) for n, t in payload.items() if n.endswith("_scale_inv")]
+    return [first, second]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--server-gpu", default="0")
+    ap.add_argument("--trainer-gpu", type=int, default=1)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        print("check_broadcast needs two GPUs")
+        return 2
+    import make_models
+    from server_io import fp8rl_info, generate, launch, stop, url, wait_healthy
+    from server_payloads import prepare
+
+    from sglang_fp8rl.weight_sync.client import _broadcast_bucket, init_update_group, push_distributed, push_state_dict
+
+    make_models.ensure(args.model_dir, ["qwen3-small"])
+    model = os.path.join(args.model_dir, "qwen3-small")
+    torch.cuda.set_device(args.trainer_gpu)
+    dev = f"cuda:{args.trainer_gpu}"
+    p = prepare(model, os.path.join(args.out, "ckpt"), device=dev)
+    host = {name: t.cpu() for name, t in p.prequant.items()}  # by tensor: CPU copies (the server sees one GPU)
+    host_w2 = {name: t.cpu() for name, t in p.w2.items()}
+    results: list[dict] = []
+    device_name = torch.cuda.get_device_name(args.trainer_gpu)
+
+    def check(name: str, ok: bool, detail: str = "") -> None:
+        results.append({"check": name, "pass": bool(ok), "detail": detail[:600]})
+        print(f"[check_broadcast] {'PASS' if ok else 'FAIL'} {name} {detail[:300]}", flush=True)
+        with open(os.path.join(args.out, "check_broadcast.json"), "w") as f:
+            json.dump({"results": results, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "device": device_name}, f, indent=1)
+
+    # the server sees only its GPU; this process keeps its own view (changing it here would renumber our devices)
+    server = launch(model, PORT, os.path.join(args.out, "server.log"), "--load-format", "dummy", mem=0.5,
+                    env_extra={"CUDA_VISIBLE_DEVICES": args.server_gpu})
+    target = url(PORT)
+    try:
+        check("server starts", True, f"{wait_healthy(PORT, server):.0f} s")
+        push_state_dict(target, host, bucket_bytes=BUCKET_BYTES)
+        r1 = generate(PORT)
+        digest = fp8rl_info(PORT).get("fp8_param_ptr_digest")
+        push_state_dict(target, host_w2, bucket_bytes=BUCKET_BYTES)
+        r2 = generate(PORT)
+        check("references R1 (FP8 by tensor) and R2 (BF16 by tensor) differ", not same(r1, r2))
+        group = init_update_group(target, "127.0.0.1", GROUP_PORT, world_size=2, group_name="fp8rl_check")
+        check("update group over NCCL", True)
+
+        t0 = time.time()
+        answers = push_distributed(target, p.prequant, group, group_name="fp8rl_check", bucket_bytes=BUCKET_BYTES)
+        dt = time.time() - t0
+        out = generate(PORT)
+        check("W1 FP8 (codes + scales) over NCCL == R1", same(out, r1), f"{len(answers)} buckets, {dt:.2f} s")
+        check("FP8 parameter pointers unchanged", fp8rl_info(PORT).get("fp8_param_ptr_digest") == digest)
+
+        push_distributed(target, p.w2, group, group_name="fp8rl_check", bucket_bytes=BUCKET_BYTES)
+        check("W2 BF16 over NCCL == R2", same(generate(PORT), r2))
+
+        names = list(p.w1)[:4]
+        victim = names[1]
+        bucket = [(n, p.w1[n].to(torch.float64) if n == victim else p.w1[n]) for n in names]
+        try:
+            answer = str(_broadcast_bucket(target, bucket, group, "fp8rl_check", 120))
+            check("float64 broadcast refused", False, "accepted: " + answer)
+        except Exception as e:  # noqa: BLE001 - the check records whatever the client raised
+            check("float64 broadcast received and refused, naming the tensor", victim in str(e), str(e))
+        try:
+            push_distributed(target, [("model.layers.0.not_a_param.weight", p.w1[names[0]])], group,
+                             group_name="fp8rl_check")
+            check("unknown-name broadcast refused", False, "accepted")
+        except Exception as e:  # noqa: BLE001 - the check records whatever the client raised
+            check("unknown-name broadcast refused, naming the tensor", "not_a_param" in str(e), str(e))
+        check("engine alive and unchanged after the refusals", same(generate(PORT), r2))
+        push_distributed(target, p.prequant, group, group_name="fp8rl_check", bucket_bytes=BUCKET_BYTES)
+        check("the group stays in step: W1 FP8 over NCCL again == R1", same(generate(PORT), r1))
+
+        push_state_dict(target, host_w2, bucket_bytes=BUCKET_BYTES)
+        for k, bucket in enumerate(split_pairs(p.prequant)):
+            push_distributed(target, bucket, group, group_name="fp8rl_check", bucket_bytes=1 << 40, complete=k == 1)
+        check("W1 FP8 with weights and scales in different broadcasts == R1", same(generate(PORT), r1))
+    except Exception as e:  # noqa: BLE001 - a failed step is a FAIL record, and the server is stopped
+        check("no unexpected error", False, f"{type(e).__name__}: {e}")
+    finally:
+        stop(server)
+    print("\n".join(f"| {r['check']} | {'PASS' if r['pass'] else 'FAIL'} |" for r in results))
+    return 0 if all(r["pass"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
