@@ -397,6 +397,21 @@ def scenario_sessions(runner, extra: dict) -> dict:
         out["refused"] = str(e)
     out["session_open_after_refusal"] = engine.manager._session is not None
     out["params_after_refusal"] = snapshot(model)
+    # an FP8 weight whose scale never comes before the session ends, then one whose scale comes in the next request
+    from sglang_fp8rl.quant import quantize_blockwise
+
+    name = extra.get("half", "model.layers.1.mlp.down_proj.weight")
+    codes, scale = quantize_blockwise(w1[name], scale_format="pow2")
+    engine.begin_weight_update()
+    out["half"] = engine.update_weights_from_tensor([(name, codes)])
+    out["half_step"] = current_step().describe()
+    out["half_end"] = engine.end_weight_update()
+    out["params_after_half"] = snapshot(model)
+    engine.begin_weight_update()
+    out["split"] = [engine.update_weights_from_tensor([(name, codes)]),
+                    engine.update_weights_from_tensor([(name + "_scale_inv", scale)]), engine.end_weight_update()]
+    out["split_sent"] = (codes, scale)
+    out["params_after_split"] = snapshot(model)
     return out
 
 

@@ -9,7 +9,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu"))
 
-import check_kv  # noqa: E402
+import check_kv  # noqa: E402, I001  (scripts/gpu on the path first)
+
 from sglang_fp8rl.kv_scales.decode_fold import ALLOW_UNVERIFIED_ENV  # noqa: E402
 
 

@@ -183,3 +183,24 @@ def test_cpu_payload_deserializes_in_an_unrelated_process(tmp_path):
     assert subprocess.run([sys.executable, "-c", send], capture_output=True, timeout=300).returncode == 0
     out = subprocess.run([sys.executable, "-c", receive], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_the_trainer_end_of_an_nccl_group_matches_sglangs_nccl_settings(caplog):
+    """SGLang's engine runs NCCL with NCCL_CUMEM_ENABLE=0 (its _set_envs_and_config, the default server args); the
+    client sets the same where the trainer left it unset and warns about a different value."""
+    import inspect
+    import logging
+
+    from sglang.srt.entrypoints import engine
+
+    from sglang_fp8rl.weight_sync.client import ENGINE_NCCL_ENV, match_engine_nccl_env
+
+    assert 'os.environ["NCCL_CUMEM_ENABLE"] = str(int(server_args.enable_symm_mem))' in inspect.getsource(
+        engine._set_envs_and_config)
+    env: dict = {}
+    match_engine_nccl_env(env)
+    assert env == ENGINE_NCCL_ENV == {"NCCL_CUMEM_ENABLE": "0"}
+    with caplog.at_level(logging.WARNING):
+        other = {"NCCL_CUMEM_ENABLE": "1"}
+        match_engine_nccl_env(other)
+    assert other == {"NCCL_CUMEM_ENABLE": "1"} and "NCCL_CUMEM_ENABLE=1 here" in caplog.text

@@ -69,3 +69,14 @@ def test_sessions_through_sglangs_manager(models, kv):
     if kv:
         before, after = out["calibrations"]
         assert after > before, out["calibrations"]
+    # FP8 halves across the requests of a session: the scale never comes -> the end names both, nothing written
+    half = "model.layers.1.mlp.down_proj.weight"
+    assert out["half"][0] and out["half_step"]["held_halves"] == [half], (out["half"], out["half_step"])
+    ok, message = out["half_end"]
+    assert not ok and f"{half} without {half}_scale_inv" in message, message
+    assert same_bytes(out["params_after_half"], cold_w0) == []
+    # ... the scale comes in the next request -> the pair is written exactly as sent
+    assert all(answer[0] for answer in out["split"]), out["split"]
+    codes, scale = out["split_sent"]
+    assert torch.equal(as_bytes(out["params_after_split"][half]), as_bytes(codes))
+    assert torch.equal(out["params_after_split"][half + "_scale_inv"], scale)

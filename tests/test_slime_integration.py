@@ -342,8 +342,9 @@ def scenario_slime_miles(runner, extra: dict) -> dict:
     out["initial"] = initial
     updater = sgl_worker.updater_of(runner.torch_runner)
     work, port = extra["work"], extra["dist_port"]
-    code = (f"import sys; sys.path[:0] = [{HERE!r}]; import test_slime_integration as t; "
-            f"t.distributed_trainer({work!r}, {str(port)!r})")
+    # os._exit after the last broadcast: gloo's destructors can abort a process at exit (tests/dist_trainer.py)
+    code = (f"import os, sys; sys.path[:0] = [{HERE!r}]; import test_slime_integration as t; "
+            f"t.distributed_trainer({work!r}, {str(port)!r}); sys.stdout.flush(); os._exit(0)")
     trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     ok, message = updater.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "gloo")
     assert ok, message

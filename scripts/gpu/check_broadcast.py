@@ -15,6 +15,8 @@ trainer, rank 0 of the update group) on the second; NCCL refuses two ranks on on
   5. W1 FP8 with each weight and its scale in different buckets (verl's split) over NCCL -> R1.
 usage: python3 scripts/gpu/check_broadcast.py --model-dir DIR --out OUT [--server-gpu 0 --trainer-gpu 1]
 Writes OUT/check_broadcast.json; exit 0 when every check passed, 1 otherwise, 2 without two GPUs.
+(The first run, 2026-11-25, failed in the engine's receive with "Cuda failure 'invalid argument'"; this process
+then ran NCCL with NCCL_CUMEM_ENABLE unset (1) while SGLang's server sets 0: now matched, not re-run yet.)
 """
 from __future__ import annotations
 
@@ -53,6 +55,9 @@ def main() -> int:
     ap.add_argument("--trainer-gpu", type=int, default=1)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    from sglang_fp8rl.weight_sync.client import match_engine_nccl_env
+
+    match_engine_nccl_env()  # before this process's first NCCL communicator (init_update_group also does it)
     import torch
 
     if torch.cuda.device_count() < 2:

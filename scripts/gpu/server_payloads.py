@@ -15,7 +15,8 @@ import torch
 W1_SEED = 1234
 W2_SEED = 4321
 SCALE_SUFFIX = "_scale_inv"
-STEP_COMPLETE = "fp8rl.step_complete"  # sglang_fp8rl.weight_sync.fp8_payload.STEP_COMPLETE (tests/test_check_server_cpu.py)
+# the step-complete control entry: sglang_fp8rl.weight_sync.fp8_payload.STEP_COMPLETE (tests/test_check_server_cpu.py)
+STEP_COMPLETE = "fp8rl.step_complete"
 ROUTER_SUFFIX = ".mlp.gate.weight"  # Qwen3-MoE router: a replicated linear, kept in BF16 by the engine
 EMBED = "model.embed_tokens.weight"
 UNKNOWN_NAME = "model.layers.0.mlp.nope.weight"

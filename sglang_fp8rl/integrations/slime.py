@@ -11,8 +11,8 @@ Both frameworks touch SGLang in two processes before SGLang's plugin loader has 
   hook serves verl, whose rollout actor builds ``ServerArgs(**args)`` too).
 
 From there SGLang's own launcher loads the plugin in every server process, as with ``python -m sglang.launch_server``.
-Only ``sglang`` and :mod:`sglang_fp8rl.server_args` are imported here and in :mod:`sglang_fp8rl.integrations`; the plugin itself (its version check, hooks
-and layers) is loaded by SGLang's loader only.
+Only ``sglang`` and :mod:`sglang_fp8rl.server_args` are imported here and in :mod:`sglang_fp8rl.integrations`; the
+plugin itself (its version check, hooks and layers) is loaded by SGLang's loader only.
 """
 
 from __future__ import annotations

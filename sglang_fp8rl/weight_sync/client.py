@@ -20,6 +20,8 @@ from __future__ import annotations
 import base64
 import collections
 import io
+import logging
+import os
 import threading
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
@@ -30,6 +32,12 @@ from torch.multiprocessing import reductions  # importing it registers torch's r
 from sglang_fp8rl.quant import extremes, extremes_finite_in_bf16
 from sglang_fp8rl.weight_sync.errors import WeightPushError
 from sglang_fp8rl.weight_sync.session import step_session
+
+logger = logging.getLogger(__name__)
+
+# NCCL settings SGLang's engine processes run with (entrypoints/engine.py `_set_envs_and_config`: NCCL_CUMEM_ENABLE=0
+# unless --enable-symm-mem); the trainer's end of the update group must match them (verl sets the same on its side)
+ENGINE_NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0"}
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 DEFAULT_TIMEOUT_S = 600.0
@@ -291,6 +299,8 @@ def init_update_group(target: Any, master_address: str, master_port: int, world_
     joins as rank 0."""
     from sglang.srt.utils import init_custom_process_group
 
+    if backend == "nccl":
+        match_engine_nccl_env()
     args = dict(master_address=master_address, master_port=master_port, rank_offset=1, world_size=world_size,
                 group_name=group_name, backend=backend)
     if isinstance(target, str):
@@ -301,6 +311,16 @@ def init_update_group(target: Any, master_address: str, master_port: int, world_
                                       world_size=world_size, rank=0, group_name=group_name)
     _join(thread, result, "init_weights_update_group", timeout)
     return group
+
+
+def match_engine_nccl_env(environ: Any = os.environ) -> None:
+    """Set the NCCL variables the engine runs with where this process left them unset (before NCCL's first
+    communicator here, which reads them); warn about one set to another value."""
+    for name, value in ENGINE_NCCL_ENV.items():
+        current = environ.setdefault(name, value)
+        if current != value:
+            logger.warning("[fp8rl] %s=%s here, but SGLang's engine runs NCCL with %s=%s: the update group's "
+                           "broadcasts may fail (set %s=%s in the trainer)", name, current, name, value, name, value)
 
 
 def push_distributed(target: Any, weights: NamedTensors, group: Any, group_name: str = "fp8rl",
