@@ -78,7 +78,9 @@ def prepared_request(model: torch.nn.Module, named: NamedTensors, validate_only:
     written)."""
     weights, control = split_control(named)
     weights, kv_entries = split_kv_scales(weights)
-    pairing = current_step().pairing(weights, validate_only=validate_only, ends_step=STEP_COMPLETE in control)
+    step = current_step()
+    ends_step = STEP_COMPLETE in control and not step.session  # in a session a marker is only noted: its end ends it
+    pairing = step.pairing(weights, validate_only=validate_only, ends_step=ends_step)
     validated = validate_request(model, original_load_weights(model), attach_scales(pairing.named))
     return guard.Prepared(validated, tensors=len(weights), bytes=request_bytes(weights), validate_only=validate_only,
                           step_complete=STEP_COMPLETE in control, kv_scales=prepare_kv_scales(model, kv_entries),
