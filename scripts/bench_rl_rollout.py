@@ -611,6 +611,11 @@ def run_config(item: dict, log_path: str, workload: dict, start_timeout: float, 
     return rec
 
 
+def skipped_record(item: dict) -> dict:
+    """The record of a config the deadline left no time for."""
+    return {"flags": item["flags"], "status": "skipped (deadline)", "requests": []}
+
+
 def run_waves(plan: list[dict], args: argparse.Namespace, out: str, workload: dict, records: dict, meta: dict,
               deadline_at: float) -> None:
     """--gpus: the configs in waves of len(gpus), each config of a wave on its own GPU at the same time."""
@@ -622,7 +627,7 @@ def run_waves(plan: list[dict], args: argparse.Namespace, out: str, workload: di
         if left < args.min_s:
             for item in wave:
                 say(f"SKIP {item['name']}: only {left:.0f} s left of --deadline-s {args.deadline_s:.0f}")
-                records[item["name"]] = {"flags": item["flags"], "status": "skipped (deadline)", "requests": []}
+                records[item["name"]] = skipped_record(item)
             continue
         threads = []
         for gpu, item in zip(gpus, wave):
@@ -775,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
         name, left = item["name"], cfg_deadline - time.time()
         if left < args.min_s:
             say(f"SKIP {name}: only {left:.0f} s left of --deadline-s {args.deadline_s:.0f}")
-            records[name] = {"flags": item["flags"], "status": "skipped (deadline)", "requests": []}
+            records[name] = skipped_record(item)
             continue
         say(f"run {name}: {' '.join(item['cmd'][3:])}")
         t0 = time.time()

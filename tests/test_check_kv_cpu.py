@@ -28,9 +28,9 @@ def test_drift_scales_v_and_o_by_a_power_of_two_and_nothing_else():
 
 def test_same_compares_ids_and_every_logprob():
     a = [{"ids": [1, 2], "logprobs": [-0.5, -0.25]}]
-    assert check_kv.same(a, [{"ids": [1, 2], "logprobs": [-0.5, -0.25]}])
-    assert not check_kv.same(a, [{"ids": [1, 2], "logprobs": [-0.5, -0.2500001]}])
-    assert not check_kv.same(a, [{"ids": [1, 3], "logprobs": [-0.5, -0.25]}])
+    assert check_kv.same_outputs(a, [{"ids": [1, 2], "logprobs": [-0.5, -0.25]}])
+    assert not check_kv.same_outputs(a, [{"ids": [1, 2], "logprobs": [-0.5, -0.2500001]}])
+    assert not check_kv.same_outputs(a, [{"ids": [1, 3], "logprobs": [-0.5, -0.25]}])
 
 
 def test_check_backend_runs_end_to_end_against_stand_in_servers(tmp_path, monkeypatch):

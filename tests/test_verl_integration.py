@@ -92,22 +92,23 @@ def test_verl_is_importable_when_required():
 # checkpoints and helpers
 
 
+def checkpoints(d, dims: dict, write, random_weights, seed: int) -> dict:
+    """Checkpoint folders w0 (seed) and w1 (seed + 1) under ``d``, and what the tests need of them."""
+    write(str(d / "w0"), dims, seed=seed)
+    w1 = random_weights(dims, seed=seed + 1)
+    write(str(d / "w1"), dims, seed=seed + 1, state_dict=w1)
+    return {"dir": d, "w0": str(d / "w0"), "w1_dir": str(d / "w1"), "w1": w1, "dims": dims, "_cold": None}
+
+
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
-    d = tmp_path_factory.mktemp("verl_dense")
-    write_checkpoint(str(d / "w0"), TINY, seed=10)
-    w1 = random_state_dict(TINY, seed=11)
-    write_checkpoint(str(d / "w1"), TINY, seed=11, state_dict=w1)
-    return {"dir": d, "w0": str(d / "w0"), "w1_dir": str(d / "w1"), "w1": w1, "dims": TINY, "_cold": None}
+    return checkpoints(tmp_path_factory.mktemp("verl_dense"), TINY, write_checkpoint, random_state_dict, seed=10)
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    d = tmp_path_factory.mktemp("verl_moe")
-    write_moe_checkpoint(str(d / "w0"), TINY_MOE, seed=20)
-    w1 = random_moe_state_dict(TINY_MOE, seed=21)
-    write_moe_checkpoint(str(d / "w1"), TINY_MOE, seed=21, state_dict=w1)
-    return {"dir": d, "w0": str(d / "w0"), "w1_dir": str(d / "w1"), "w1": w1, "dims": TINY_MOE, "_cold": None}
+    return checkpoints(tmp_path_factory.mktemp("verl_moe"), TINY_MOE, write_moe_checkpoint, random_moe_state_dict,
+                       seed=20)
 
 
 def cold(model: dict) -> dict:

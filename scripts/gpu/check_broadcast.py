@@ -35,11 +35,6 @@ GROUP_PORT = 29611
 BUCKET_BYTES = 16 << 20
 
 
-def same(a: list[dict], b: list[dict]) -> bool:
-    """Greedy tokens and every logprob identical."""
-    return [x["ids"] for x in a] == [x["ids"] for x in b] and [x["logprobs"] for x in a] == [x["logprobs"] for x in b]
-
-
 def split_pairs(payload: dict) -> list[list[tuple[str, object]]]:
     """Two buckets: every FP8 weight's codes in the first, its scale in the second (BF16 tensors in the first)."""
     first = [(n, t) for n, t in payload.items() if not n.endswith("_scale_inv")]
@@ -66,6 +61,7 @@ def main() -> int:
     import make_models
     from server_io import fp8rl_info, generate, launch, stop, url, wait_healthy
     from server_payloads import prepare
+    from server_report import same_outputs
 
     from sglang_fp8rl.weight_sync.client import _broadcast_bucket, init_update_group, push_distributed, push_state_dict
 
@@ -97,7 +93,7 @@ def main() -> int:
         digest = fp8rl_info(PORT).get("fp8_param_ptr_digest")
         push_state_dict(target, host_w2, bucket_bytes=BUCKET_BYTES)
         r2 = generate(PORT)
-        check("references R1 (FP8 by tensor) and R2 (BF16 by tensor) differ", not same(r1, r2))
+        check("references R1 (FP8 by tensor) and R2 (BF16 by tensor) differ", not same_outputs(r1, r2))
         group = init_update_group(target, "127.0.0.1", GROUP_PORT, world_size=2, group_name="fp8rl_check")
         check("update group over NCCL", True)
 
@@ -105,11 +101,11 @@ def main() -> int:
         answers = push_distributed(target, p.prequant, group, group_name="fp8rl_check", bucket_bytes=BUCKET_BYTES)
         dt = time.time() - t0
         out = generate(PORT)
-        check("W1 FP8 (codes + scales) over NCCL == R1", same(out, r1), f"{len(answers)} buckets, {dt:.2f} s")
+        check("W1 FP8 (codes + scales) over NCCL == R1", same_outputs(out, r1), f"{len(answers)} buckets, {dt:.2f} s")
         check("FP8 parameter pointers unchanged", fp8rl_info(PORT).get("fp8_param_ptr_digest") == digest)
 
         push_distributed(target, p.w2, group, group_name="fp8rl_check", bucket_bytes=BUCKET_BYTES)
-        check("W2 BF16 over NCCL == R2", same(generate(PORT), r2))
+        check("W2 BF16 over NCCL == R2", same_outputs(generate(PORT), r2))
 
         names = list(p.w1)[:4]
         victim = names[1]
@@ -125,14 +121,14 @@ def main() -> int:
             check("unknown-name broadcast refused", False, "accepted")
         except Exception as e:  # noqa: BLE001 - the check records whatever the client raised
             check("unknown-name broadcast refused, naming the tensor", "not_a_param" in str(e), str(e))
-        check("engine alive and unchanged after the refusals", same(generate(PORT), r2))
+        check("engine alive and unchanged after the refusals", same_outputs(generate(PORT), r2))
         push_distributed(target, p.prequant, group, group_name="fp8rl_check", bucket_bytes=BUCKET_BYTES)
-        check("the group stays in step: W1 FP8 over NCCL again == R1", same(generate(PORT), r1))
+        check("the group stays in step: W1 FP8 over NCCL again == R1", same_outputs(generate(PORT), r1))
 
         push_state_dict(target, host_w2, bucket_bytes=BUCKET_BYTES)
         for k, bucket in enumerate(split_pairs(p.prequant)):
             push_distributed(target, bucket, group, group_name="fp8rl_check", bucket_bytes=1 << 40, complete=k == 1)
-        check("W1 FP8 with weights and scales in different broadcasts == R1", same(generate(PORT), r1))
+        check("W1 FP8 with weights and scales in different broadcasts == R1", same_outputs(generate(PORT), r1))
     except Exception as e:  # noqa: BLE001 - a failed step is a FAIL record, and the server is stopped
         check("no unexpected error", False, f"{type(e).__name__}: {e}")
     finally:

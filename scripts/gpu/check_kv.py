@@ -30,6 +30,7 @@ sys.path.insert(0, HERE)
 
 from server_io import fp8rl_info, generate, launch, stop, wait_healthy  # noqa: E402
 from server_payloads import make_w1  # noqa: E402
+from server_report import same_outputs  # noqa: E402
 
 from sglang_fp8rl.kv_scales.decode_fold import ALLOW_UNVERIFIED_ENV  # noqa: E402
 
@@ -66,10 +67,6 @@ def drifted(sd: dict, c: float) -> dict:
 
 def kv_scales(port: int) -> dict:
     return fp8rl_info(port).get("kv_scales", {})
-
-
-def same(a: list[dict], b: list[dict]) -> bool:
-    return [x["ids"] for x in a] == [x["ids"] for x in b] and [x["logprobs"] for x in a] == [x["logprobs"] for x in b]
 
 
 def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int, kv_write: str = "sglang") -> dict:
@@ -110,9 +107,9 @@ def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int
     finally:
         stop(b)
     r["b_scales_equal_s1"] = sb.get("scales") == r["scales_s1"]
-    r["recalibrated_equals_fresh"] = same(a_new, out_b)
-    r["stale_differs_from_fresh"] = not same(a_stale, out_b)
-    r["drift_preserves_outputs"] = same(a_new, o0)
+    r["recalibrated_equals_fresh"] = same_outputs(a_new, out_b)
+    r["stale_differs_from_fresh"] = not same_outputs(a_stale, out_b)
+    r["drift_preserves_outputs"] = same_outputs(a_new, o0)
     r["verdict"] = "PASS" if all(r[k] for k in ("b_scales_equal_s1", "recalibrated_equals_fresh",
                                                "stale_differs_from_fresh", "digest_unchanged",
                                                "stale_kept_s0")) else "FAIL"

@@ -16,9 +16,13 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
+from sglang_fp8rl.layers.scheme import SHARD_NAMES
+
 IGNORED_LAYERS_ENV = "SGLANG_FP8_IGNORED_LAYERS"  # verl reads it on the trainer side, SGLang's fp8 on the engine side
 CONFIG_KEYS = ("ignored_layers", "modules_to_not_convert")
-FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# the checkpoint modules a fused SGLang module is loaded from: qkv_proj <- q_proj, k_proj, v_proj, ...
+FUSED_SHARDS = {module: tuple(f"{shard}_proj" for shard in shards) for module, shards in SHARD_NAMES.items()
+                if len(shards) > 1}
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 REGEX_PREFIX = "re:"
 

@@ -59,7 +59,7 @@ def attach_scales(named: Sequence[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
         if name + SCALE_SUFFIX not in scales:
             raise UpdateRejected(f"{name}: float8_e4m3fn codes need {name + SCALE_SUFFIX} in the same update")
     for name in sorted(scales):
-        weight = name[: -len(SCALE_SUFFIX)]
+        weight = weight_of(name)
         if weight not in codes:
             got = getattr(by_name.get(weight), "dtype", "nothing")
             raise UpdateRejected(f"{name}: a scale needs {weight} as float8_e4m3fn codes in the same update, got "
@@ -84,14 +84,19 @@ class Pairing:
     taken: tuple[str, ...] = ()  # held names this request completes
 
 
-def is_weight_half(name: str) -> bool:
-    """Whether a half's name is the weight's (not its scale's)."""
-    return not _is_scale_name(name)
+def weight_of(name: str) -> str:
+    """The weight a half belongs to: a scale's weight, or the weight itself."""
+    return name[: -len(SCALE_SUFFIX)] if _is_scale_name(name) else name
 
 
 def partner_name(name: str) -> str:
     """The other half's name: a weight's scale, or a scale's weight."""
-    return name[: -len(SCALE_SUFFIX)] if _is_scale_name(name) else name + SCALE_SUFFIX
+    return weight_of(name) if _is_scale_name(name) else name + SCALE_SUFFIX
+
+
+def without_partners(names: Iterable[str]) -> str:
+    """Each half with the partner it waits for, for a message."""
+    return ", ".join(f"{name} without {partner_name(name)}" for name in names)
 
 
 def _is_half(name: Any, tensor: Any) -> bool:
@@ -134,11 +139,11 @@ def pair_stream(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
         if isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE:
             held_codes[name] = tensor
         elif _is_scale_name(name):
-            held_scales[name[: -len(SCALE_SUFFIX)]] = tensor
+            held_scales[weight_of(name)] = tensor
         else:
             yield name, tensor
             continue
-        weight = name[: -len(SCALE_SUFFIX)] if _is_scale_name(name) else name
+        weight = weight_of(name)
         if weight in held_codes and weight in held_scales:
             codes, scale = held_codes.pop(weight), held_scales.pop(weight)
             scale = check_scale_shape(weight, codes, scale)

@@ -39,8 +39,8 @@ import torch
 
 from sglang_fp8rl.kv_scales.engine import mark_calibrated, mark_due
 from sglang_fp8rl.kv_scales.layers import attention_layers
-from sglang_fp8rl.weight_sync.fp8_payload import Pairing, complete_pairs, is_weight_half, partner_name
-from sglang_fp8rl.weight_sync.validate import NamedTensors, UpdateRejected
+from sglang_fp8rl.weight_sync.fp8_payload import Pairing, complete_pairs, partner_name, weight_of, without_partners
+from sglang_fp8rl.weight_sync.validate import NamedTensors, UpdateRejected, request_bytes
 
 # the most bytes of FP8 halves a step holds for their partners (one bucket-split pair is one weight's codes: tens of
 # MB for an 8B model; a trainer that splits every pair is sending scales and codes in separate steps)
@@ -67,11 +67,11 @@ class Commit:
     @property
     def unpaired_weights(self) -> tuple[str, ...]:
         """The weights of the unpaired halves (never written in this step)."""
-        return tuple(sorted({name if is_weight_half(name) else partner_name(name) for name in self.unpaired}))
+        return tuple(sorted({weight_of(name) for name in self.unpaired}))
 
     def unpaired_message(self) -> str:
         """Each unpaired half with the partner it waited for."""
-        return ", ".join(f"{name} without {partner_name(name)}" for name in self.unpaired)
+        return without_partners(self.unpaired)
 
 
 @dataclasses.dataclass
@@ -92,7 +92,7 @@ class UpdateStep:
     @property
     def held_bytes(self) -> int:
         """Bytes of the halves held for their partners."""
-        return sum(t.numel() * t.element_size() for t in self.held.values())
+        return request_bytes(list(self.held.items()))
 
     def pairing(self, named: NamedTensors, validate_only: bool = False, ends_step: bool = False) -> Pairing:
         """A request matched with the halves held (a query: what applying it would hold or take); UpdateRejected
@@ -102,14 +102,14 @@ class UpdateStep:
         left = sorted(set(self.held) - set(pairing.taken) | set(pairing.hold))
         if ends_step and left:
             raise UpdateRejected("this request ends the step, but FP8 halves would stay without their partner: "
-                                 + ", ".join(f"{name} without {partner_name(name)}" for name in left))
+                                 + without_partners(left))
         if not pairing.hold:
             return pairing
         first = sorted(pairing.hold)[0]
         if validate_only:
             raise UpdateRejected(f"{first}: an all-or-nothing (validate-only) request must carry "
                                  f"{partner_name(first)} too (split pairs are taken only in applied requests)")
-        extra = sum(t.numel() * t.element_size() for t in pairing.hold.values())
+        extra = request_bytes(list(pairing.hold.items()))
         if self.held_bytes + extra > MAX_HELD_BYTES:
             raise UpdateRejected(f"{first}: waiting for {partner_name(first)} would hold {self.held_bytes + extra:,} "
                                  f"bytes of FP8 halves in this step, more than {MAX_HELD_BYTES:,}; send each weight "
