@@ -462,18 +462,26 @@ def write_outputs(out: str, records: dict[str, dict], meta: dict, workload: dict
 # recorded answers (--dry-run)
 # ----------------------------------------------------------------------------------------------------------------
 
-def load_recorded(path: str, configs: list[str]) -> dict:
-    """The recorded answers of the named configs, in the order given; SystemExit if one is missing."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"--recorded {path}: cannot read it ({e})") from e
-    have = data.get("configs") or {}
+def load_recorded(paths: list[str] | str, configs: list[str]) -> dict:
+    """The recorded answers of the named configs, in the order given, each from the first file that has it (several
+    files: runs made one after another, e.g. one config per GPU call); SystemExit if one is missing."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    have, workload, source = {}, {}, {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"--recorded {path}: cannot read it ({e})") from e
+        for name, rec in (data.get("configs") or {}).items():
+            if name not in have:
+                have[name], source[name] = rec, path
+        workload = workload or data.get("workload") or {}
     missing = [c for c in configs if c not in have]
     if missing:
-        raise SystemExit(f"--recorded {path} has no answers for {missing} (it has {list(have)})")
-    return {"workload": data.get("workload") or {}, "configs": {c: have[c] for c in dict.fromkeys(configs)}}
+        raise SystemExit(f"--recorded {' '.join(paths)} has no answers for {missing} (it has {list(have)})")
+    return {"workload": workload, "configs": {c: have[c] for c in dict.fromkeys(configs)},
+            "sources": {c: source[c] for c in dict.fromkeys(configs)}}
 
 
 def recorded_mismatches(records: dict[str, dict], max_new: list[int]) -> list[str]:
@@ -706,7 +714,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip a config when less than this is left; every later config keeps this much of the deadline")
     p.add_argument("--dry-run", action="store_true",
                    help="no server: print the command lines, build the report from --recorded answers")
-    p.add_argument("--recorded", default=DEFAULT_RECORDED, help="answers.json of an earlier run (for --dry-run)")
+    p.add_argument("--recorded", nargs="+", default=[DEFAULT_RECORDED],
+                   help="answers.json of earlier run(s) (for --dry-run); with several, each config comes from the "
+                        "first file that has it")
     a = p.parse_args(argv)
     for key, val in SCALES[a.scale].items():
         if getattr(a, key) is None:
@@ -745,7 +755,8 @@ def main(argv: list[str] | None = None) -> int:
             env = " ".join(f"{k}={v}" for k, v in sorted(item["env"].items()))
             print(f"# {item['name']}: env {env}\n{' '.join(item['cmd'])}", flush=True)
         rec = load_recorded(args.recorded, meta["configs"])
-        meta["recorded"] = args.recorded
+        meta["recorded"] = " ".join(args.recorded)
+        meta["recorded_sources"] = rec["sources"]
         meta["recorded_mismatch"] = recorded_mismatches(rec["configs"], workload["max_new_tokens"])
         if meta["recorded_mismatch"]:
             say(f"WARNING the recorded answers do not match this workload ({len(meta['recorded_mismatch'])}: "

@@ -39,6 +39,10 @@ FP8-KV configs get a second table (scripts/kv_measure.py): decode ratios over BF
 fastest backend at outputs 256 / 1024 and bs 64 / 128, issue 15's targets with margins, and the load-time K/V-scale
 recalibration time (parsed from the engine's log) against a 1024-token rollout at bs 128.
 
+The tail (--input-len with several lengths): every (batch size, prompt length) runs in one process per config; the
+main tables keep the first length, and a second table (scripts/tail_table.py) gives each config's decode step at
+every (context, bs) and its speed-up over the first config, with the batch-1 8k-context target (>= 1.4x).
+
 Writes under --out: results.json (everything parsed), summary.md (the table), logs.tgz (per-config logs, jsonl,
 env, profiler traces), and with --profile-decode profile_top_kernels.txt.
 
@@ -46,6 +50,9 @@ env, profiler traces), and with --profile-decode profile_top_kernels.txt.
   python scripts/bench_rollout.py --batch-sizes 1 8 32 64 128 256 --out /tmp/r2
   python scripts/bench_rollout.py --moe --out /tmp/moe                    # Qwen3-30B-A3B shape (bs 32 64, out 512)
   python scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode --batch-sizes 128 --output-len 256
+  # the tail on FA3: decode at bs 1 4 16 after 4k and 8k-token prompts, BF16 first (the baseline)
+  python scripts/bench_rollout.py --attention-backend fa3 --configs bf16 fp8_online_blockwise \\
+      fp8_online_blockwise_kv --batch-sizes 1 4 16 --input-len 4096 8192 --output-len 64 --out /tmp/tail
   # FP8 KV on triton (~5 min warm), then on FlashInfer with the triton results merged (BF16 best of both):
   python scripts/bench_rollout.py --configs bf16 fp8_online_blockwise_kv fp8_online_blockwise_kv_static \\
       --output-len 256 1024 --out /tmp/kv
@@ -74,6 +81,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import kv_measure as KV  # noqa: E402  (scripts/kv_measure.py: the FP8-KV tables and log parsing)
+import tail_table as TAIL  # noqa: E402  (scripts/tail_table.py: decode at small batch over long contexts)
 
 CONFIGS = ["bf16", "fp8_online_blockwise", "block_prequant", "fp8_channel"]
 # opt-in: FP8 KV cache
@@ -174,16 +182,17 @@ def _lens(output_len) -> list[int]:
     return [int(output_len)] if isinstance(output_len, int) else [int(x) for x in output_len]
 
 
-def bench_flags(model_path: str, batch_sizes, input_len: int, output_len, mem_fraction: float,
+def bench_flags(model_path: str, batch_sizes, input_len, output_len, mem_fraction: float,
                 result_file: str, run_name: str, repeat: int = 1, prefill_graph: bool = False,
                 attention_backend: str = KV.DEFAULT_ATTENTION_BACKEND) -> list[str]:
-    """bench_one_batch flags of one config; output_len is one length or a list (one process runs them all)."""
+    """bench_one_batch flags of one config; input_len and output_len are each one length or a list (one process runs
+    every combination)."""
     bs_sweep = [str(b) for b in list(batch_sizes) * max(1, repeat)]
     graph_bs = [str(b) for b in sorted({int(b) for b in batch_sizes})]
     prefill = [] if prefill_graph else ["--disable-prefill-cuda-graph"]
     return ["--model-path", model_path, "--load-format", "dummy", "--attention-backend", attention_backend,
             "--sampling-backend", "pytorch", "--grammar-backend", "none", "--dtype", "bfloat16",
-            "--batch-size", *bs_sweep, "--input-len", str(input_len),
+            "--batch-size", *bs_sweep, "--input-len", *[str(x) for x in _lens(input_len)],
             "--output-len", *[str(x) for x in _lens(output_len)],
             *prefill, "--cuda-graph-bs-decode", *graph_bs,
             "--mem-fraction-static", str(mem_fraction), "--result-filename", result_file, "--run-name", run_name]
@@ -361,7 +370,17 @@ def _throughput_table(results: dict, meta: dict, output_len, several_lens: bool)
     return lines
 
 
+def of_input_len(results: dict, input_len) -> dict:
+    """``results`` with only the rows of one prompt length (rows without ``input_len``, parsed from a log, stay)."""
+    return {cfg: {**res, "rows": [r for r in res.get("rows", []) if int(r.get("input_len", input_len)) == input_len]}
+            for cfg, res in results.items()}
+
+
 def format_summary(results: dict, meta: dict) -> str:
+    inputs = meta.get("input_lens") or [meta.get("input_len")]
+    if len(inputs) > 1:
+        tail = TAIL.format_tail(results, inputs, meta.get("batch_sizes") or [])
+        return format_summary(of_input_len(results, inputs[0]), {**meta, "input_lens": inputs[:1]}) + "\n\n" + tail
     lens = meta.get("output_lens") or [meta.get("output_len")]
     primary = meta.get("output_len")
     best = last_pass(results, primary if len(lens) > 1 else None)
@@ -673,11 +692,15 @@ def _write_summary(out_dir, results, meta) -> str:
     text = format_summary(results, meta)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(text + "\n")
-    best = last_pass(results, meta.get("output_len") if len(meta.get("output_lens") or []) > 1 else None)
+    inputs = meta.get("input_lens") or [meta.get("input_len")]
+    tail = TAIL.tail_rows(results, inputs, meta.get("batch_sizes") or []) if len(inputs) > 1 else []
+    best = last_pass(of_input_len(results, inputs[0]),
+                     meta.get("output_len") if len(meta.get("output_lens") or []) > 1 else None)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"meta": meta, "results": results, "ratios": compute_ratios(best),
-                   "targets": check_targets(best), "kv_ratios": KV.kv_ratio_rows(results),
-                   "kv_targets": KV.kv_targets(results), "kv_recalibration": KV.recal_report(results)},
+        json.dump({"meta": meta, "results": results, "tail": tail, "ratios": compute_ratios(best),
+                   "targets": check_targets(best), "kv_ratios": KV.kv_ratio_rows(of_input_len(results, inputs[0])),
+                   "kv_targets": KV.kv_targets(of_input_len(results, inputs[0])),
+                   "kv_recalibration": KV.recal_report(results)},
                   f, indent=1, default=str)
     return text
 
@@ -716,7 +739,9 @@ def parse_args(argv=None):
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS + EXTRA_CONFIGS)
     p.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default 64 128 (--moe: 32 64)")
-    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--input-len", type=int, nargs="+", default=[512],
+                   help="prompt length(s); several add the tail table (decode per context length and bs; the main "
+                        "tables use the first length)")
     p.add_argument("--output-len", type=int, nargs="+", default=None,
                    help="one or more output lengths, run by one process per config (default 1024; --moe: 512)")
     p.add_argument("--attention-backend", choices=KV.ATTENTION_BACKENDS, default=KV.DEFAULT_ATTENTION_BACKEND,
@@ -749,6 +774,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.batch_sizes is None:
         a.batch_sizes = [32, 64] if a.moe else [64, 128]
+    a.input_lens = list(dict.fromkeys(a.input_len))
+    a.input_len = a.input_lens[0]  # the primary length: the main tables
     a.output_lens = sorted(set(a.output_len)) if a.output_len else [512 if a.moe else 1024]
     a.output_len = max(a.output_lens)  # the primary length: the old ratio / target tables, profiling
     if a.mem_fraction_static is None:
@@ -773,7 +800,7 @@ def build_plan(args, raw: str, prof_dir: str, model_dir: str) -> list[tuple]:
         spec = config_spec(cfg, args.moe, backend)
         mpath = os.path.join(model_dir, spec["model"])
         cmd = [sys.executable, os.path.abspath(__file__), "_child",
-               *bench_flags(mpath, args.batch_sizes, args.input_len, args.output_lens, args.mem_fraction_static,
+               *bench_flags(mpath, args.batch_sizes, args.input_lens, args.output_lens, args.mem_fraction_static,
                             os.path.join(raw, f"{label}.jsonl"), label, args.repeat, args.prefill_graph, backend),
                *spec["flags"]]
         profiled = args.profile_decode and cfg in args.profile_configs
@@ -818,14 +845,14 @@ def main(argv=None) -> int:
     needed = sorted({p[3]["model"] for p in plan})
     make_models.ensure(model_dir, needed)
     meta = {"model_desc": ("Qwen3-30B-A3B-shaped" if args.moe else "Qwen3-8B-shaped") + " dummy weights",
-            "models": needed, "input_len": args.input_len, "output_len": args.output_len,
+            "models": needed, "input_len": args.input_len, "input_lens": args.input_lens, "output_len": args.output_len,
             "output_lens": args.output_lens, "attention_backend": args.attention_backend,
             "batch_sizes": args.batch_sizes, "repeat": args.repeat, "mem_fraction_static": args.mem_fraction_static,
             "merged": list(args.merge), "argv": sys.argv, **_env_info()}
     with open(os.path.join(raw, "env.txt"), "w") as f:
         json.dump(meta, f, indent=1, default=str)
     _say(f"{meta['device']} | {meta['versions']}")
-    _say(f"runs {[p[0] for p in plan]}, bs {args.batch_sizes} x{args.repeat}, in {args.input_len}, "
+    _say(f"runs {[p[0] for p in plan]}, bs {args.batch_sizes} x{args.repeat}, in {args.input_lens}, "
          f"out {args.output_lens}, attention {args.attention_backend}, mem {args.mem_fraction_static}, "
          f"models in {model_dir}{f', merged {list(merged)}' if merged else ''}")
 

@@ -577,3 +577,21 @@ def test_gpus_run_a_waves_configs_side_by_side_one_per_gpu(tmp_path, monkeypatch
     assert starts["fp8"][1] < ends["bf16"] and starts["bf16"][1] < ends["fp8"]  # side by side
     assert starts["fp8_kv"][1] >= max(ends["bf16"], ends["fp8"])  # the next wave
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_dry_run_joins_the_answers_of_runs_made_one_after_another(tmp_path, monkeypatch):
+    """--recorded A B: each config from the first file that has it (one config per GPU call), one table."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    data = json.loads(open(FIXTURE).read())
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({**data, "configs": {"bf16": data["configs"]["bf16"], "fp8": data["configs"]["fp8"]}}))
+    second.write_text(json.dumps({**data, "configs": {"fp8_kv": data["configs"]["fp8_kv"],
+                                                      "bf16": data["configs"]["fp8"]}}))  # never read: a has bf16
+    out = tmp_path / "dry"
+    assert RR.main(["--dry-run", "--recorded", str(first), str(second), "--out", str(out), "--configs", "bf16", "fp8",
+                    "fp8_kv", *FIXTURE_ARGS]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["recorded_sources"] == {"bf16": str(first), "fp8": str(first), "fp8_kv": str(second)}
+    assert res["results"]["fp8"]["vs_base"]["speedup"] == pytest.approx(1.25)
+    with pytest.raises(SystemExit, match="no answers for"):
+        RR.main(["--dry-run", "--recorded", str(first), "--out", str(out), "--configs", "fp8_kv", *FIXTURE_ARGS])

@@ -476,6 +476,54 @@ def test_bench_rollout_main_with_fake_runs(tmp_path, monkeypatch):
     assert (tmp_path / "models" / "qwen3-8b" / "config.json").exists()
 
 
+def test_bench_rollout_tail_table_with_several_prompt_lengths(tmp_path, monkeypatch):
+    """--input-len 4096 8192: one process per config runs both lengths (SGLang's own parser reads the flags), the
+    main tables keep the first length, the tail table gives per-(context, bs) step times, speed-ups and the bs-1 8k
+    target."""
+    import argparse
+
+    one_batch = pytest.importorskip("sglang.benchmark.one_batch")
+    from sglang.srt import server_args as SA
+
+    step = {("bf16", 4096): 0.0072, ("bf16", 8192): 0.0080, ("fp8_online_blockwise", 4096): 0.0048,
+            ("fp8_online_blockwise", 8192): 0.0060}
+    seen = []
+
+    def fake_run(cfg, cmd, env, log_path, timeout_s):
+        flags = cmd[cmd.index("_child") + 1:]
+        seen.append(flags)
+        with open(log_path, "w") as f:
+            f.write(LOG)
+        with open(flags[flags.index("--result-filename") + 1], "w") as f:
+            for il in (4096, 8192):
+                for bs in (1, 4):
+                    lat = step[(cfg, il)] * (1 + bs / 100)
+                    f.write(json.dumps(dict(_row(bs, 40000.0, bs / lat, 1000.0), median_decode_latency=lat,
+                                            input_len=il, output_len=64)) + "\n")
+        return {"rc": 0, "timed_out": False, "wall_s": 1.0}
+
+    monkeypatch.setattr(BR, "run_config", fake_run)
+    out = tmp_path / "out"
+    assert BR.main(["--configs", "bf16", "fp8_online_blockwise", "--batch-sizes", "1", "4", "--input-len", "4096",
+                    "8192", "--output-len", "64", "--model-dir", str(tmp_path / "models"), "--out", str(out)]) == 0
+    if "fp8_online_blockwise" not in SA.QUANTIZATION_CHOICES:
+        SA.add_quantization_method_choices(["fp8_online_blockwise"])
+    parser = argparse.ArgumentParser()
+    SA.ServerArgs.add_cli_args(parser)
+    one_batch.BenchArgs.add_cli_args(parser)
+    assert one_batch.BenchArgs.from_cli_args(parser.parse_args(seen[1])).input_len == (4096, 8192)
+    res = json.loads((out / "results.json").read_text())
+    by = {(r["input_len"], r["bs"]): r for r in res["tail"]}
+    assert by[(8192, 1)]["speedup"]["fp8_online_blockwise"] == pytest.approx(0.0080 / 0.0060)
+    assert by[(4096, 4)]["step_ms"]["bf16"] == pytest.approx(7.2 * 1.04)
+    text = (out / "summary.md").read_text()
+    assert "input 4096" in text and "## The tail" in text
+    assert "| 8192 | 1 | 8.08 | 6.06 | 1.333 |" in text
+    assert "target fp8_online_blockwise/bf16 decode @bs1, context 8192 >= 1.40: 1.333 FAIL" in text
+    # the main ratio table is the first length's: 7.2 / 4.8 at bs 1
+    assert any(r["bs"] == 1 and r["decode"] == pytest.approx(1.5) for r in res["ratios"])
+
+
 class _FakeEngine:
     """Stands in for sglang.Engine: a fixed 'model' p(next | last token), answers in SGLang's meta_info format."""
 

@@ -311,21 +311,32 @@ def test_kv_calibration_only_on_verified_backends(monkeypatch):
         model.attn = RadixAttention(num_heads=1, head_dim=4, scaling=1.0, num_kv_heads=1, layer_id=0)
         return SimpleNamespace(attn_backend=backend, model=model, device="cpu", server_args=SimpleNamespace(**args))
 
+    class TRTLLMHAAttnBackend:  # a backend of SGLang's whose use of KV scales this package has not verified
+        def forward_decode(self, *args, **kwargs):
+            return None
+
     for explicit in (False, True):
         monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=explicit))
-        fa3 = runner(FlashAttentionBackend())
+        other = runner(TRTLLMHAAttnBackend())
         if explicit:
             with pytest.raises(ValueError, match="not verified"):
-                kv_cache.use_backend(fa3)
+                kv_cache.use_backend(other)
         else:
-            kv_cache.use_backend(fa3)
-            assert engine.kv_state().mode == "static" and fa3.model.attn.k_scale is None
+            kv_cache.use_backend(other)
+            assert engine.kv_state().mode == "static" and other.model.attn.k_scale is None
+    # the verification switch lets calibration try such a backend, which then needs a known way of reading scales
     monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=True))
     monkeypatch.setenv("FP8RL_KV_ALLOW_UNVERIFIED_BACKEND", "1")
+    with pytest.raises(ValueError, match="not known to read FP8 KV scales"):
+        kv_cache.use_backend(runner(TRTLLMHAAttnBackend()))
+    # FlashAttention-3 (SGLang's default on Hopper) is verified: it reads the scale tensors, so no fold
+    monkeypatch.delenv("FP8RL_KV_ALLOW_UNVERIFIED_BACKEND")
+    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=True))
     fa3 = runner(FlashAttentionBackend())
     kv_cache.use_backend(fa3)
     assert isinstance(fa3.model.attn.k_scale, torch.Tensor) and engine.kv_state().calibrated_under == {0: (1.0, 1.0)}
-    monkeypatch.delenv("FP8RL_KV_ALLOW_UNVERIFIED_BACKEND")
+    assert not getattr(fa3.attn_backend.forward_decode, "_fp8rl_kv_fold", False)
+    assert engine.kv_state().mode == "calibrate"
     flashinfer = runner(FlashInferAttnBackend())
     kv_cache.use_backend(flashinfer)
     assert getattr(flashinfer.attn_backend.forward_decode, "_fp8rl_kv_fold", False)

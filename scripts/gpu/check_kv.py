@@ -8,12 +8,19 @@ fp8_online_blockwise --kv-cache-dtype fp8_e4m3` (scales calibrated on the engine
   2. push W1 = W0 with a function-preserving drift (v_proj x C, o_proj / C, C a power of two, every layer) WITHOUT
      the step-complete marker: the V scales stay S0 and V saturates in the FP8 cache -> outputs A_stale;
   3. `recalibrate_kv_scales(A)`: scales S1 (V scales x C exactly) -> outputs A_new;
-  4. server B freshly started on W1 from disk: its load-time scales must equal S1, its outputs B.
+  4. server B freshly started on W1 from disk: its load-time scales must equal S1, its outputs B. B takes the block-FP8
+     GEMM kernels A measured at its start (--fp8rl-gemm-select cache): a selection measured anew could pick another
+     kernel for some batch size, and another kernel rounds differently, which is not what this check is about.
   Checks: A_new == B bit for bit (token ids and every logprob); A_stale != B; A_new == O0 (the drift preserves the
   function exactly: every factor is a power of two); the FP8 parameter pointer digest of A never changed; A's decode
   CUDA graphs were captured once (no re-capture).
 
-usage: python3 scripts/gpu/check_kv.py --out OUT [--backends triton flashinfer] [--drift 256]
+--diagnose adds, for finding where a failing backend's difference comes from (not part of the verdict):
+  5. on A, one layer's K scale (then its V scale) sent by the trainer x64 and back: do the outputs move with the
+     scale (does the written scale reach the kernels) and come back (A_back == A_new)?
+  6. a second fresh server B2 on W1 (B2 == B: is a fresh start repeatable?) and a fresh server C on W0 (C == O0).
+
+usage: python3 scripts/gpu/check_kv.py --out OUT [--backends triton flashinfer] [--drift 256] [--diagnose]
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from server_report import same_outputs  # noqa: E402
 from sglang_fp8rl.kv_scales.decode_fold import ALLOW_UNVERIFIED_ENV  # noqa: E402
 
 KV_FLAGS = ("--kv-cache-dtype", "fp8_e4m3", "--disable-radix-cache")
+SAME_GEMMS = ("--fp8rl-gemm-select", "cache")  # fresh servers use the GEMM kernels server A measured (step 4)
 CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
               num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=4096,
               max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
@@ -69,7 +77,36 @@ def kv_scales(port: int) -> dict:
     return fp8rl_info(port).get("kv_scales", {})
 
 
-def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int, kv_write: str = "sglang") -> dict:
+def scale_probe(port: int, layer: str, scales: dict, baseline: list) -> dict:
+    """Step 5: one layer's K, then V scale x64 and back, by trainer-sent scales; which of them move the outputs."""
+    import torch
+
+    from sglang_fp8rl.weight_sync.client import push_state_dict
+
+    url, found = f"http://127.0.0.1:{port}", {}
+    k, v = scales[layer]
+    for which, value in (("k", k), ("v", v)):
+        name = f"model.layers.{layer}.self_attn.{which}_scale"
+        push_state_dict(url, {name: torch.tensor(value * 64.0)}, complete=False)
+        found[f"{which}_scale_x64_moves_outputs"] = not same_outputs(generate(port), baseline)
+        push_state_dict(url, {name: torch.tensor(value)}, complete=False)
+    found["restored_equals_recalibrated"] = same_outputs(generate(port), baseline)
+    found["probe_layer"] = layer
+    return found
+
+
+def fresh_outputs(model: str, port: int, log: str, flags: tuple, env_extra: dict) -> list:
+    """Greedy outputs of a server freshly started on ``model``."""
+    proc = launch(model, port, log, *flags, *SAME_GEMMS, mem=0.35, env_extra=env_extra)
+    try:
+        wait_healthy(port, proc)
+        return generate(port)
+    finally:
+        stop(proc)
+
+
+def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int, kv_write: str = "sglang",
+                  diagnose: bool = False) -> dict:
     from sglang_fp8rl.weight_sync.client import push_state_dict, recalibrate_kv_scales
 
     # a backend not verified yet needs the verification switch to calibrate (this check is that verification)
@@ -96,16 +133,22 @@ def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int
         r["stale_kept_s0"] = s_stale.get("scales") == s0.get("scales")
         r["recalibration_ms"] = 1e3 * s1.get("seconds", float("nan"))
         r["changed_layers"] = s1.get("changed_layers")
+        if diagnose:
+            r["diagnosis"] = scale_probe(port, sorted(s1.get("scales") or {"0": None})[-1], s1.get("scales"), a_new)
     finally:
         stop(a)
     with open(log_a, errors="replace") as f:
         r["a_capture_lines"] = sum("Capture cuda graph end" in line or "Capture decode" in line for line in f)
-    b = launch(w1, port + 1, log_b, *flags, mem=0.35, env_extra=env_extra)
+    b = launch(w1, port + 1, log_b, *flags, *SAME_GEMMS, mem=0.35, env_extra=env_extra)
     try:
         r["b_startup_s"] = wait_healthy(port + 1, b)
         out_b, sb = generate(port + 1), kv_scales(port + 1)
     finally:
         stop(b)
+    if diagnose:
+        log_b2, log_c = (os.path.join(out, f"kv_{backend}_{kv_write}_{which}.log") for which in ("b2", "c"))
+        r["diagnosis"]["fresh_repeatable"] = same_outputs(fresh_outputs(w1, port + 2, log_b2, flags, env_extra), out_b)
+        r["diagnosis"]["fresh_w0_equals_o0"] = same_outputs(fresh_outputs(w0, port + 3, log_c, flags, env_extra), o0)
     r["b_scales_equal_s1"] = sb.get("scales") == r["scales_s1"]
     r["recalibrated_equals_fresh"] = same_outputs(a_new, out_b)
     r["stale_differs_from_fresh"] = not same_outputs(a_stale, out_b)
@@ -124,6 +167,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=30040)
     ap.add_argument("--kv-writes", nargs="+", default=["sglang", "fused"], choices=["sglang", "fused"],
                     help="--fp8rl-kv-write values to check on each backend")
+    ap.add_argument("--diagnose", action="store_true", help="steps 5 and 6 of the docstring (not in the verdict)")
     ap.add_argument("--runs", nargs="+", default=None, metavar="BACKEND:WRITE",
                     help="explicit (backend, write) pairs, e.g. triton:fused flashinfer:sglang (instead of all pairs)")
     args = ap.parse_args()
@@ -140,7 +184,8 @@ def main() -> int:
         [(backend, write) for backend in args.backends for write in args.kv_writes]
     for i, (backend, write) in enumerate(runs):
         try:
-            report["results"].append(check_backend(backend, args.out, w0, w1, sd1, args.port + 10 * i, write))
+            report["results"].append(check_backend(backend, args.out, w0, w1, sd1, args.port + 10 * i, write,
+                                                         args.diagnose))
         except (RuntimeError, TimeoutError, requests.RequestException, OSError) as e:
             report["results"].append({"backend": backend, "verdict": "ERROR", "error": f"{type(e).__name__}: {e}"})
         torch.cuda.empty_cache()
@@ -152,6 +197,8 @@ def main() -> int:
         print(f"| {r['backend']} | {r['verdict']} | {r.get('recalibrated_equals_fresh')} | "
               f"{r.get('stale_differs_from_fresh')} | {r.get('drift_preserves_outputs')} | "
               f"{r.get('recalibration_ms', float('nan')):.1f} |")
+        if r.get("diagnosis"):
+            print(f"diagnosis {r['backend']}: {json.dumps(r['diagnosis'])}")
     return 0 if all(r["verdict"] == "PASS" for r in report["results"]) else 1
 
 

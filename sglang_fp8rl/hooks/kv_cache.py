@@ -28,7 +28,7 @@ from sglang_fp8rl.compat import updates
 from sglang_fp8rl.compat.runtime import ready_for_forward
 from sglang_fp8rl.kv_scales import resolve_kv_scale_mode
 from sglang_fp8rl.kv_scales.calibrate import recalibrate
-from sglang_fp8rl.kv_scales.decode_fold import install_decode_fold, unverified_reason
+from sglang_fp8rl.kv_scales.decode_fold import decode_backend, install_decode_fold, unverified_reason
 from sglang_fp8rl.kv_scales.engine import batch_within, calibration_batch, kv_state, mark_calibrated, set_up
 from sglang_fp8rl.kv_scales.layers import attach_scales, read_scales
 from sglang_fp8rl.kv_scales.numerics import saturating_scale_
@@ -99,8 +99,8 @@ def use_backend(runner: Any) -> None:
         return
     state.calibrated_under = read_scales(attach_scales(runner.model, torch.device(runner.device)))
     install_decode_fold(runner.attn_backend)  # before any CUDA graph is captured
-    logger.info("[fp8rl] KV scales: calibrated on the engine (%d tokens of %s)", sum(map(len, state.token_ids)),
-                state.batch_source)
+    logger.info("[fp8rl] KV scales: calibrated on the engine (%d tokens of %s), attention backend %s",
+                sum(map(len, state.token_ids)), state.batch_source, type(decode_backend(runner.attn_backend)).__name__)
 
 
 def wrap_init_attention_backends(original: Callable) -> Callable:

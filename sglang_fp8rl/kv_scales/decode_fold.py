@@ -36,8 +36,9 @@ HYBRID_BACKENDS = ("HybridAttnBackend",)
 _FOLD_MARK = "_fp8rl_kv_fold"
 # backends on which a recalibration was proven to take effect exactly (scripts/gpu/check_kv.py: recalibrated in place
 # == a fresh server with the same weights and scales, bit for bit; FlashInfer with SGLANG_FLASHINFER_USE_PAGED=1, once
-# the calibration ran under fixed scales); torch_native (CPU) ignores KV scales
-VERIFIED_BACKENDS = ("TritonAttnBackend", "FlashInferAttnBackend", "TorchNativeAttnBackend")
+# the calibration ran under fixed scales; FlashAttention-3 with the K and V scale writes shown to reach its kernels,
+# docs/RESULTS.md section 19); torch_native (CPU) ignores KV scales
+VERIFIED_BACKENDS = ("TritonAttnBackend", "FlashInferAttnBackend", "FlashAttentionBackend", "TorchNativeAttnBackend")
 # set to 1 to calibrate on a backend not verified yet: for running that verification (scripts/gpu/check_kv.py)
 ALLOW_UNVERIFIED_ENV = "FP8RL_KV_ALLOW_UNVERIFIED_BACKEND"
 
@@ -99,7 +100,7 @@ def unverified_reason(backend: Any) -> Optional[str]:
     if any(name in VERIFIED_BACKENDS for name in names) or os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
         return None
     return (f"attention backend {names[0]}: recalibrated FP8 KV scales are not verified on it "
-            "(scripts/gpu/check_kv.py has not passed there); use --attention-backend triton or flashinfer, or "
+            "(scripts/gpu/check_kv.py has not passed there); use --attention-backend fa3, triton or flashinfer, or "
             "--fp8rl-kv-scales static")
 
 
