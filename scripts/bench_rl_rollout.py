@@ -28,8 +28,10 @@ running requests (the largest `#running-req` of the decode log lines), and the s
 CUDA graph: of the scheduler's `Decode batch, ... cuda graph: True|False` lines during the run (one per decode step
 with --decode-log-interval 1), the fraction with `False` (SGLang replays a decode graph only up to its captured batch
 size, 256 on an H100 by default), and the share of decode tokens (sum of #running-req) those batches produced.
-Ratios against the first config in the same table; a completion curve (requests done vs time, one line per config)
-in completion.png when matplotlib imports (a failed plot does not end the run).
+Ratios against the first config in the same table; a second table gives each config's decode steps by the number of
+requests running (scripts/rollout_regimes.py: steps, median step time and the run's seconds per band, and the step
+speed-up over the first config: where the makespan goes); a completion curve (requests done vs time, one line per
+config) in completion.png when matplotlib imports (a failed plot does not end the run).
 
 Workload size (--scale): full = 384 prompts, output median 1500, cap 8192 (the default); short = 256 prompts, median
 1000, cap 4096 (two configs on Qwen3-8B shapes fit one 9-minute GPU call with server starts). --num-prompts,
@@ -41,7 +43,8 @@ answers.json (the recorded answers: per-request completion times and the server 
 --dry-run --recorded OUT/answers.json rebuilds the report from it), server_<config>.log.
 
 --dry-run (CPU, no server, no GPU): parses the arguments, generates the workload, prints each config's server command
-line and builds the report from recorded answers (--recorded, default tests/data/rl_rollout_recorded.json).
+line and builds the report from recorded answers (--recorded, default tests/data/rl_rollout_recorded.json; several
+files, plain or .gz, join runs made one after another: each config from the first file that has it).
 
   python scripts/bench_rl_rollout.py --out /tmp/rl_rollout                          # bf16 vs fp8, full scale
   python scripts/bench_rl_rollout.py --scale short --configs bf16 fp8 fp8_kv --deadline-s 540 --out /tmp/r
@@ -52,6 +55,7 @@ line and builds the report from recorded answers (--recorded, default tests/data
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -71,6 +75,7 @@ sys.path.insert(0, HERE)
 
 import bench_rollout as BR  # noqa: E402  (scripts/bench_rollout.py: startup-log parsing, the FP8 flag lists)
 import kv_measure as KV  # noqa: E402  (scripts/kv_measure.py: attention backends, FA3 probe, backend env)
+import rollout_regimes as RG  # noqa: E402  (scripts/rollout_regimes.py: decode steps by running requests)
 from accuracy_regression import percentile  # noqa: E402  (numpy-style linear-interpolation percentile)
 
 CONFIGS: dict[str, list[str]] = {
@@ -324,6 +329,7 @@ def summarize_config(name: str, rec: dict, n_planned: int) -> dict:
     if res["max_running_requests"] is None and info.get("max_running_requests"):
         res["max_running_requests"] = int(info["max_running_requests"])
     res["errors"] = sorted({str(r.get("error"))[:200] for r in rec.get("requests") or [] if r.get("error")})[:5]
+    res["regimes"] = RG.regimes(rec.get("run_log") or [])
     return res
 
 
@@ -375,7 +381,11 @@ def format_summary(results: dict[str, dict], meta: dict) -> str:
               f"the cap, {_f(meta['lengths']['total'])} tokens in all")]
     if meta.get("device"):
         lines.append(f"device: {meta['device']}; {meta.get('versions', '')}; {meta.get('date', '')}")
-    if meta.get("dry_run"):
+    sources = meta.get("recorded_sources") or {}
+    if meta.get("dry_run") and len(set(sources.values())) > 1:
+        lines.append("joined from the recorded answers of runs made one after another (no server ran for this "
+                     "report): " + "; ".join(f"{c} from {os.path.basename(p)}" for c, p in sources.items()))
+    elif meta.get("dry_run"):
         lines.append(f"DRY RUN: recorded answers from {meta.get('recorded')}, no server ran")
     lines += ["", (f"| config | done | makespan s | p50 s | p90 s | output tok/s | KV pool tokens | peak running | "
                    f"decode batches without CUDA graph | speed-up vs {base} | tok/s vs {base} | p50 vs {base} | "
@@ -398,6 +408,9 @@ def format_summary(results: dict[str, dict], meta: dict) -> str:
                    "Decode batches without CUDA graph: of the scheduler's `Decode batch` log lines during the run "
                    "(one per decode step, --decode-log-interval 1), those with `cuda graph: False`, and the share of "
                    "decode tokens (sum of #running-req) they produced."), ""]
+    regimes = RG.format_regimes({name: r.get("regimes") or {} for name, r in results.items()})
+    if regimes:
+        lines += [regimes, ""]
     for name, r in results.items():
         t = (f"start {_f(r['start_s'], '{:.0f}')} s, run {_f(r['run_s'], '{:.0f}')} s, wall "
              f"{_f(r['wall_s'], '{:.0f}')} s")
@@ -464,12 +477,13 @@ def write_outputs(out: str, records: dict[str, dict], meta: dict, workload: dict
 
 def load_recorded(paths: list[str] | str, configs: list[str]) -> dict:
     """The recorded answers of the named configs, in the order given, each from the first file that has it (several
-    files: runs made one after another, e.g. one config per GPU call); SystemExit if one is missing."""
+    files: runs made one after another, e.g. one config per GPU call; ``.gz`` files are read as gzip); SystemExit if
+    one is missing."""
     paths = [paths] if isinstance(paths, str) else list(paths)
     have, workload, source = {}, {}, {}
     for path in paths:
         try:
-            with open(path) as f:
+            with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
                 data = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise SystemExit(f"--recorded {path}: cannot read it ({e})") from e

@@ -595,3 +595,40 @@ def test_dry_run_joins_the_answers_of_runs_made_one_after_another(tmp_path, monk
     assert res["results"]["fp8"]["vs_base"]["speedup"] == pytest.approx(1.25)
     with pytest.raises(SystemExit, match="no answers for"):
         RR.main(["--dry-run", "--recorded", str(first), "--out", str(out), "--configs", "fp8_kv", *FIXTURE_ARGS])
+
+
+def test_joined_report_names_each_configs_run_and_reads_gzip(tmp_path, monkeypatch):
+    import gzip
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    data = json.loads(open(FIXTURE).read())
+    first, second = tmp_path / "bf16.json.gz", tmp_path / "fp8.json"
+    with gzip.open(first, "wt") as f:
+        json.dump({**data, "configs": {"bf16": data["configs"]["bf16"]}}, f)
+    second.write_text(json.dumps({**data, "configs": {"fp8": data["configs"]["fp8"]}}))
+    out = tmp_path / "joined"
+    assert RR.main(["--dry-run", "--recorded", str(first), str(second), "--out", str(out), "--configs", "bf16", "fp8",
+                    *FIXTURE_ARGS]) == 0
+    md = (out / "summary.md").read_text()
+    assert "joined from the recorded answers of runs made one after another" in md and "DRY RUN" not in md
+    assert "bf16 from bf16.json.gz; fp8 from fp8.json" in md
+
+
+def test_decode_steps_by_running_requests():
+    """Step time = running / gen throughput of each decode line; bands of running requests; speed-up per band."""
+    import rollout_regimes as RG
+
+    def line(n, thr):
+        return (f"[2026-11-27 08:36:20] Decode batch, #running-req: {n}, #token: 9, token usage: 0.01, cuda graph: "
+                f"True, gen throughput (token/s): {thr}, #queue-req: 0")
+
+    slow = [line(300, 10000.0)] * 3 + [line(4, 500.0), line(4, 400.0), line(4, 500.0), line(1, 0.0)]
+    fast = [line(300, 15000.0)] * 3 + [line(4, 800.0)] * 3 + ["Prefill batch, #new-seq: 1"]
+    r = RG.regimes(slow)
+    assert list(r) == ["3-4", "257-384"] and r["3-4"]["steps"] == 3  # a zero throughput is not a step
+    assert r["3-4"]["median_step_ms"] == pytest.approx(8.0) and r["3-4"]["seconds"] == pytest.approx(0.026)
+    assert r["257-384"]["median_step_ms"] == pytest.approx(30.0)
+    text = RG.format_regimes({"bf16": r, "fp8": RG.regimes(fast)})
+    assert "| 3-4 | 3, 8.00, 0.0 | 3, 5.00, 0.0 | 1.60 |" in text
+    assert "| 257-384 | 3, 30.00, 0.1 | 3, 20.00, 0.1 | 1.50 |" in text
+    assert RG.format_regimes({"bf16": {}}) == ""
