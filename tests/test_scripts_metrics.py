@@ -433,6 +433,31 @@ def test_suite_script_syntax():
     subprocess.run(["bash", "-n", os.path.join(SCRIPTS, "gpu", "run_gpu_suite.sh")], check=True)
 
 
+def _suite_stage_args(stage: str) -> list[str]:
+    """The bench_rollout.py arguments a run_gpu_suite.sh stage passes, with its shell expansions given values."""
+    import re
+    import shlex
+
+    text = open(os.path.join(SCRIPTS, "gpu", "run_gpu_suite.sh")).read()
+    block = text[text.index(f"\n    {stage})"):]
+    block = block[:block.index(";;")].replace("\\\n", " ")
+    block = re.sub(r"\$\{[A-Z_]+:-\}", "", re.sub(r"\$\(\([^)]*\)\)", "100", block))
+    block = re.sub(r'"?\$[A-Z]+(/[a-z_]*)?"?', "/tmp/x", block)
+    return shlex.split(block[block.index("scripts/bench_rollout.py") + len("scripts/bench_rollout.py"):])
+
+
+@pytest.mark.parametrize("stage", ["tail", "eager"])
+def test_suite_stages_parse_with_bench_rollout(stage):
+    """The tail and eager stages' arguments are accepted by bench_rollout.py (a value starting with -- must be
+    written --extra-args=VALUE)."""
+    a = BR.parse_args(_suite_stage_args(stage))
+    assert a.attention_backend == "fa3"
+    if stage == "tail":
+        assert a.input_lens == [4096, 8192] and a.batch_sizes == [1, 4, 16] and a.profile_decode
+    else:
+        assert a.extra_args == "--disable-cuda-graph" and a.batch_sizes == [64, 256, 384]
+
+
 def test_run_config_streams_log_and_enforces_timeout(tmp_path):
     log = tmp_path / "a.log"
     code = "import sys; sys.stdout.write(%r)" % LOG

@@ -133,8 +133,8 @@ def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int
         r["stale_kept_s0"] = s_stale.get("scales") == s0.get("scales")
         r["recalibration_ms"] = 1e3 * s1.get("seconds", float("nan"))
         r["changed_layers"] = s1.get("changed_layers")
-        if diagnose:
-            r["diagnosis"] = scale_probe(port, sorted(s1.get("scales") or {"0": None})[-1], s1.get("scales"), a_new)
+        if diagnose and s1.get("scales"):  # the probe moves the last layer's scales
+            r["diagnosis"] = scale_probe(port, max(s1["scales"], key=int), s1["scales"], a_new)
     finally:
         stop(a)
     with open(log_a, errors="replace") as f:
@@ -145,7 +145,7 @@ def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int
         out_b, sb = generate(port + 1), kv_scales(port + 1)
     finally:
         stop(b)
-    if diagnose:
+    if "diagnosis" in r:
         log_b2, log_c = (os.path.join(out, f"kv_{backend}_{kv_write}_{which}.log") for which in ("b2", "c"))
         r["diagnosis"]["fresh_repeatable"] = same_outputs(fresh_outputs(w1, port + 2, log_b2, flags, env_extra), out_b)
         r["diagnosis"]["fresh_w0_equals_o0"] = same_outputs(fresh_outputs(w0, port + 3, log_c, flags, env_extra), o0)

@@ -21,6 +21,8 @@
 #   tail      scripts/bench_rollout.py on FA3: bf16, fp8_online_blockwise, fp8_online_blockwise_kv at bs 1 4 16 after
 #             4k and 8k-token prompts (decode step per context and bs, speed-ups, the bs-1 8k target), with a decode
 #             profile of bf16 and fp8_online_blockwise; TAIL_ARGS                       (~4-6 min)
+#   eager     scripts/bench_rollout.py on FA3 with --disable-cuda-graph: bf16, fp8_online_blockwise, + FP8 KV at bs 64
+#             256 384, output 128 (decode per token without graphs: verl's enforce_eager); EAGER_ARGS   (~3-4 min)
 #   profile   scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode --batch-sizes 64 128
 #             --output-len 256 (top decode kernels by CUDA time)                        (~1.5-2 min)
 #   moe       scripts/bench_rollout.py --moe (Qwen3-30B-A3B shapes, bs 32 64, out 512, mem 0.88) (~6-9 min: own call)
@@ -173,6 +175,11 @@ for st in "$@"; do
         --input-len 4096 8192 --output-len 64 --mem-fraction-static 0.65 --profile-decode \
         --profile-configs bf16 fp8_online_blockwise --profile-steps 3 --out "$WORK/tail" --model-dir "$MODELS" \
         --deadline-s $(( l - 25 )) ${TAIL_ARGS:-} ;;
+    eager)  # decode without CUDA graphs (verl's enforce_eager, or past the capture): BF16 vs FP8 per token on FA3
+      l=$(left); run_stage eager 150 560 $PY scripts/bench_rollout.py --attention-backend fa3 \
+        --configs bf16 fp8_online_blockwise fp8_online_blockwise_kv --batch-sizes 64 256 384 --output-len 128 \
+        --extra-args=--disable-cuda-graph --out "$WORK/eager" --model-dir "$MODELS" --deadline-s $(( l - 25 )) \
+        ${EAGER_ARGS:-} ;;
     profile)
       l=$(left); run_stage profile 120 400 $PY scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode \
         --batch-sizes 64 128 --output-len 256 --out "$WORK/profile" --model-dir "$MODELS" --deadline-s $(( l - 25 )) \
@@ -230,7 +237,7 @@ SUM=$WORK/suite_summary_$STAMP.md
       kv_acc) [ -f "$WORK/kv_acc/summary.md" ] && { echo; cat "$WORK/kv_acc/summary.md"; } ;;
       kvcheck) [ -f "$LOGS/kvcheck.log" ] && { echo; echo "## kvcheck"; grep -E "^\|" "$LOGS/kvcheck.log"; } ;;
       broadcast) [ -f "$LOGS/broadcast.log" ] && { echo; echo "## broadcast"; grep -E "^\||FAIL" "$LOGS/broadcast.log"; } ;;
-      rollout|profile|moe|kv|kv_fi|tail) [ -f "$WORK/$st/summary.md" ] && { echo; echo "## $st"; cat "$WORK/$st/summary.md"; }
+      rollout|profile|moe|kv|kv_fi|tail|eager) [ -f "$WORK/$st/summary.md" ] && { echo; echo "## $st"; cat "$WORK/$st/summary.md"; }
                 [ "$st" = profile ] && [ -f "$WORK/profile/profile_top_kernels.txt" ] && head -30 "$WORK/profile/profile_top_kernels.txt" ;;
 
       server) if [ -f "$WORK/server/summary.md" ]; then echo; cat "$WORK/server/summary.md"
@@ -256,7 +263,8 @@ for pair in rollout/results.json:rollout_results.json accuracy/accuracy.json:acc
             kv/results.json:kv_results.json kv_fi/results.json:kv_fi_results.json kv_acc/accuracy.json:kv_acc.json \
             kvcheck/check_kv.json:check_kv.json broadcast/check_broadcast.json:check_broadcast.json rl_rollout/results.json:rl_rollout_results.json \
             rl_rollout/completion.png:rl_rollout.png rl_rollout/answers.json:rl_rollout_answers.json \
-            tail/results.json:tail_results.json tail/profile_top_kernels.txt:tail_profile.txt; do
+            tail/results.json:tail_results.json tail/profile_top_kernels.txt:tail_profile.txt \
+            eager/results.json:eager_results.json; do
   src=$WORK/${pair%%:*}
   if [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && [ "$NCOPY" -lt 6 ]; then  # $OUT returns at most 8 files
     cp "$src" "$OUT/${pair##*:}" && NCOPY=$(( NCOPY + 1 ))
