@@ -97,8 +97,7 @@ TOKEN_RANGE = (100, 151000)  # prompt ids: below Qwen3's special tokens (151643+
 DEFAULT_RECORDED = os.path.join(REPO, "tests", "data", "rl_rollout_recorded.json")
 ATTN_FLAG = "--attention-backend"
 
-_DECODE_RE = re.compile(r"Decode batch(?: \[\d+\])?, #running-req: (\d+),.*?\b(?:cuda|cpu|npu|musa) graph: (True|False)"
-                        r"(?:.*?#queue-req: (\d+))?")
+_DECODE_RE = re.compile(RG.DECODE_LINE + r".*?\b(?:cuda|cpu|npu|musa) graph: (True|False)(?:.*?#queue-req: (\d+))?")
 _MAX_RUNNING_RE = re.compile(r"max_total_num_tokens=\d+.*?max_running_requests=(\d+)")
 _RETRACT_RE = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
 _KEEP_RE = re.compile(r"Decode batch|Prefill batch|max_total_num_tokens=|KV [Cc]ache (?:is )?allocated|"

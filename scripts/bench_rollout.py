@@ -370,6 +370,11 @@ def _throughput_table(results: dict, meta: dict, output_len, several_lens: bool)
     return lines
 
 
+def input_lens_of(meta: dict) -> list:
+    """The run's prompt lengths, the primary (first) one first."""
+    return meta.get("input_lens") or [meta.get("input_len")]
+
+
 def of_input_len(results: dict, input_len) -> dict:
     """``results`` with only the rows of one prompt length (rows without ``input_len``, parsed from a log, stay)."""
     return {cfg: {**res, "rows": [r for r in res.get("rows", []) if int(r.get("input_len", input_len)) == input_len]}
@@ -377,7 +382,7 @@ def of_input_len(results: dict, input_len) -> dict:
 
 
 def format_summary(results: dict, meta: dict) -> str:
-    inputs = meta.get("input_lens") or [meta.get("input_len")]
+    inputs = input_lens_of(meta)
     if len(inputs) > 1:
         tail = TAIL.format_tail(results, inputs, meta.get("batch_sizes") or [])
         return format_summary(of_input_len(results, inputs[0]), {**meta, "input_lens": inputs[:1]}) + "\n\n" + tail
@@ -692,15 +697,14 @@ def _write_summary(out_dir, results, meta) -> str:
     text = format_summary(results, meta)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(text + "\n")
-    inputs = meta.get("input_lens") or [meta.get("input_len")]
+    inputs = input_lens_of(meta)
     tail = TAIL.tail_rows(results, inputs, meta.get("batch_sizes") or []) if len(inputs) > 1 else []
-    best = last_pass(of_input_len(results, inputs[0]),
-                     meta.get("output_len") if len(meta.get("output_lens") or []) > 1 else None)
+    primary = of_input_len(results, inputs[0])  # the main tables' rows
+    best = last_pass(primary, meta.get("output_len") if len(meta.get("output_lens") or []) > 1 else None)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "results": results, "tail": tail, "ratios": compute_ratios(best),
-                   "targets": check_targets(best), "kv_ratios": KV.kv_ratio_rows(of_input_len(results, inputs[0])),
-                   "kv_targets": KV.kv_targets(of_input_len(results, inputs[0])),
-                   "kv_recalibration": KV.recal_report(results)},
+                   "targets": check_targets(best), "kv_ratios": KV.kv_ratio_rows(primary),
+                   "kv_targets": KV.kv_targets(primary), "kv_recalibration": KV.recal_report(results)},
                   f, indent=1, default=str)
     return text
 

@@ -16,7 +16,9 @@ from statistics import median
 BANDS = (("1", 1, 1), ("2", 2, 2), ("3-4", 3, 4), ("5-8", 5, 8), ("9-16", 9, 16), ("17-32", 17, 32),
          ("33-64", 33, 64), ("65-128", 65, 128), ("129-256", 129, 256), ("257-384", 257, 384), ("385-512", 385, 512),
          ("513+", 513, 1 << 30))
-_DECODE = re.compile(r"Decode batch, #running-req: (\d+),.*gen throughput \(token/s\): ([0-9.]+)")
+# a scheduler decode log line up to its running requests (with DP attention SGLang adds the rank: "Decode batch [0]")
+DECODE_LINE = r"Decode batch(?: \[\d+\])?, #running-req: (\d+),"
+_DECODE = re.compile(DECODE_LINE + r".*gen throughput \(token/s\): ([0-9.]+)")
 
 
 def decode_steps(run_log: list[str]) -> list[tuple[int, float]]:

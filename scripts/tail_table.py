@@ -45,7 +45,7 @@ def tail_target(rows: list[dict], cfg: str) -> dict:
 def format_tail(results: dict, input_lens, batch_sizes) -> str:
     """Markdown: decode ms/step per config at every (context, bs), speed-ups over the first config, the target."""
     configs = list(results)
-    if len(configs) < 1:
+    if not configs:
         return ""
     rows = tail_rows(results, input_lens, batch_sizes)
     others = configs[1:]

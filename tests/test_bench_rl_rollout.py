@@ -632,3 +632,6 @@ def test_decode_steps_by_running_requests():
     assert "| 3-4 | 3, 8.00, 0.0 | 3, 5.00, 0.0 | 1.60 |" in text
     assert "| 257-384 | 3, 30.00, 0.1 | 3, 20.00, 0.1 | 1.50 |" in text
     assert RG.format_regimes({"bf16": {}}) == ""
+    # with DP attention SGLang names the rank ("Decode batch [0]"), as the graph-share parser of the report reads it
+    dp = line(2, 100.0).replace("Decode batch,", "Decode batch [0],")
+    assert RG.decode_steps([dp]) == [(2, 0.02)] and RR.parse_decode_log(dp)["peak_running"] == 2

@@ -95,12 +95,12 @@ def scale_probe(port: int, layer: str, scales: dict, baseline: list) -> dict:
     return found
 
 
-def fresh_outputs(model: str, port: int, log: str, flags: tuple, env_extra: dict) -> list:
-    """Greedy outputs of a server freshly started on ``model``."""
+def fresh_server(model: str, port: int, log: str, flags: tuple, env_extra: dict) -> tuple[float, list, dict]:
+    """A server freshly started on ``model`` (server A's GEMM selection): its start-up seconds, greedy outputs and
+    KV scales."""
     proc = launch(model, port, log, *flags, *SAME_GEMMS, mem=0.35, env_extra=env_extra)
     try:
-        wait_healthy(port, proc)
-        return generate(port)
+        return wait_healthy(port, proc), generate(port), kv_scales(port)
     finally:
         stop(proc)
 
@@ -139,16 +139,13 @@ def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int
         stop(a)
     with open(log_a, errors="replace") as f:
         r["a_capture_lines"] = sum("Capture cuda graph end" in line or "Capture decode" in line for line in f)
-    b = launch(w1, port + 1, log_b, *flags, *SAME_GEMMS, mem=0.35, env_extra=env_extra)
-    try:
-        r["b_startup_s"] = wait_healthy(port + 1, b)
-        out_b, sb = generate(port + 1), kv_scales(port + 1)
-    finally:
-        stop(b)
+    r["b_startup_s"], out_b, sb = fresh_server(w1, port + 1, log_b, flags, env_extra)
     if "diagnosis" in r:
         log_b2, log_c = (os.path.join(out, f"kv_{backend}_{kv_write}_{which}.log") for which in ("b2", "c"))
-        r["diagnosis"]["fresh_repeatable"] = same_outputs(fresh_outputs(w1, port + 2, log_b2, flags, env_extra), out_b)
-        r["diagnosis"]["fresh_w0_equals_o0"] = same_outputs(fresh_outputs(w0, port + 3, log_c, flags, env_extra), o0)
+        _, out_b2, _ = fresh_server(w1, port + 2, log_b2, flags, env_extra)
+        _, out_c, _ = fresh_server(w0, port + 3, log_c, flags, env_extra)
+        r["diagnosis"]["fresh_repeatable"] = same_outputs(out_b2, out_b)
+        r["diagnosis"]["fresh_w0_equals_o0"] = same_outputs(out_c, o0)
     r["b_scales_equal_s1"] = sb.get("scales") == r["scales_s1"]
     r["recalibrated_equals_fresh"] = same_outputs(a_new, out_b)
     r["stale_differs_from_fresh"] = not same_outputs(a_stale, out_b)

@@ -239,7 +239,6 @@ SUM=$WORK/suite_summary_$STAMP.md
       broadcast) [ -f "$LOGS/broadcast.log" ] && { echo; echo "## broadcast"; grep -E "^\||FAIL" "$LOGS/broadcast.log"; } ;;
       rollout|profile|moe|kv|kv_fi|tail|eager) [ -f "$WORK/$st/summary.md" ] && { echo; echo "## $st"; cat "$WORK/$st/summary.md"; }
                 [ "$st" = profile ] && [ -f "$WORK/profile/profile_top_kernels.txt" ] && head -30 "$WORK/profile/profile_top_kernels.txt" ;;
-
       server) if [ -f "$WORK/server/summary.md" ]; then echo; cat "$WORK/server/summary.md"
               elif [ -f "$WORK/server/check_server.json" ]; then echo; echo "## server"; cat "$WORK/server/check_server.json"; fi ;;
       quant) [ -f "$LOGS/quant.log" ] && { echo; echo "## quant"; tail -40 "$LOGS/quant.log"; } ;;
