@@ -15,6 +15,7 @@ Configs (--configs, in order; the first one is the baseline of the ratios):
   fp8_triton     fp8 + --attention-backend triton
   fp8_kv         fp8 + --kv-cache-dtype fp8_e4m3 (the plugin calibrates the K/V scales at load)
   fp8_kv_triton  fp8_kv + --attention-backend triton
+  fp8_kv_flashinfer  fp8_kv + --attention-backend flashinfer (its first start JIT-compiles FlashInfer's kernels)
 Every server also gets --load-format dummy --skip-tokenizer-init --sampling-backend pytorch --grammar-backend none
 --dtype bfloat16 --decode-log-interval 1 --random-seed SEED (the proven flags of the GPU machine's trimmed
 wheelhouse, plus one scheduler log line per decode step); --extra-args CONFIG="FLAGS" adds flags to one config
@@ -85,6 +86,7 @@ CONFIGS: dict[str, list[str]] = {
     "fp8_triton": [*BR._ONLINE, "--attention-backend", "triton"],
     "fp8_kv": [*BR._ONLINE, *BR._FP8_KV],
     "fp8_kv_triton": [*BR._ONLINE, *BR._FP8_KV, "--attention-backend", "triton"],
+    "fp8_kv_flashinfer": [*BR._ONLINE, *BR._FP8_KV, "--attention-backend", "flashinfer"],
 }
 DEFAULT_CONFIGS = ["bf16", "fp8"]
 MODELS = ("qwen3-8b", "qwen3-30b-a3b")  # scripts/gpu/make_models.py names

@@ -162,7 +162,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         _flag("kv_scales"), choices=KV_SCALE_OPTIONS, default=d.kv_scales,
         help="FP8 KV-cache scales: calibrate = measured on the engine at load and after every complete weight "
              "update; static = SGLang's (1.0 unless the checkpoint has them); auto = calibrate with "
-             "--kv-cache-dtype fp8_e4m3 on the Triton or FlashInfer attention backend, else static.",
+             "--kv-cache-dtype fp8_e4m3 on the FlashAttention-3, Triton or FlashInfer attention backend, else static.",
     )
     group.add_argument(
         _flag("kv_calibration"), default=d.kv_calibration, metavar="JSON",

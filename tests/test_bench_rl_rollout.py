@@ -132,9 +132,11 @@ def test_server_commands_parse_with_sglang_server_args(fa3_fallback):
         assert ns.max_running_requests == 512 and ns.mem_fraction_static is None
         assert ns.quantization == (None if name.startswith("bf16") else "fp8_online_blockwise")
         assert ns.kv_cache_dtype == ("fp8_e4m3" if "_kv" in name else "auto")
-        backend = "triton" if name.endswith("_triton") or fa3_fallback else None
+        named = next((b for b in ("triton", "flashinfer") if name.endswith("_" + b)), None)
+        backend = named or ("triton" if fa3_fallback else None)
         assert ns.attention_backend == backend  # None: SGLang's default (FA3 on Hopper)
-        assert p["fa3_fallback"] == (fa3_fallback and not name.endswith("_triton"))
+        assert p["fa3_fallback"] == (fa3_fallback and named is None)
+        assert ("SGLANG_FLASHINFER_USE_PAGED" in p["env"]) == (name == "fp8_kv_flashinfer")
         assert ns.fp8rl_gemm_select == ("off" if name == "fp8" else "auto")
         assert ns.fp8rl_kv_scales == ("static" if name == "fp8_kv" else "auto")
         assert p["env"]["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "0"

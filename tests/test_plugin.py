@@ -192,6 +192,26 @@ def test_options_env_round_trip_and_validation(monkeypatch):
             Fp8rlOptions(**bad)
 
 
+@pytest.mark.parametrize("quantization,graphs_off,warned", [
+    ("fp8_online_blockwise", True, True), ("fp8_online_blockwise", False, False), (None, True, False)])
+def test_eager_decode_is_warned_about_once(plugins_loaded, model_dir, caplog, quantization, graphs_off, warned):
+    """With fp8_online_blockwise and decode CUDA graphs turned off (the installed release's flags for that), one
+    warning at start; none with graphs on or without our quantization (SGLang's own parser and from_cli_args)."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_fp8rl.compat.runtime import no_graph_flags
+    from sglang_fp8rl.hooks.server_args import EAGER_DECODE_WARNING
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    flags = [*(no_graph_flags() if graphs_off else ()),
+             *(("--quantization", quantization) if quantization else ())]
+    with caplog.at_level(logging.WARNING, logger="sglang_fp8rl.hooks.server_args"):
+        ServerArgs.from_cli_args(parser.parse_args(["--model-path", model_dir, "--device", "cuda", *flags]))
+    said = [r for r in caplog.records if r.getMessage() == EAGER_DECODE_WARNING]
+    assert len(said) == (1 if warned else 0)
+
+
 @pytest.mark.parametrize("user_limit,expected", [(None, 512), (128, 128)])
 def test_decode_graphs_fit_fp8_capacity(plugins_loaded, model_dir, user_limit, expected):
     """With fp8_online_blockwise the decode graphs are captured up to 512 unless the command line says otherwise

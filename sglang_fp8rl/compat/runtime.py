@@ -181,6 +181,18 @@ def cuda_graph_config(args: Any) -> Any:
     return getattr(resolved_view(args), "cuda_graph_config", None)
 
 
+def decode_graphs_off(args: Any) -> bool:
+    """Whether decode runs without CUDA graphs: the resolved decode backend is ``disabled`` (0.5.15-0.5.20, and later
+    ones once the launch has resolved it), else the raw ``cuda_graph_backend_decode`` (0.5.21+ before resolution, as
+    ``from_cli_args`` leaves it on a machine without a GPU), else ``disable_cuda_graph`` (before 0.5.15)."""
+    decode = getattr(cuda_graph_config(args), "decode", None)
+    if getattr(decode, "backend", None) is not None:
+        return decode.backend == "disabled"
+    if getattr(args, "cuda_graph_backend_decode", None) is not None:
+        return args.cuda_graph_backend_decode == "disabled"
+    return bool(getattr(args, "disable_cuda_graph", False))
+
+
 def captured_token_counts(args: Any) -> list[int]:
     """Token counts SGLang captures CUDA graphs for: decode batch sizes and prefill token counts of every phase whose
     backend is not ``disabled`` (from the resolved configuration, :func:`cuda_graph_config`); before 0.5.14 the flat
@@ -229,6 +241,22 @@ def fp8_kernel_module() -> Any:
         return importlib.import_module("sglang.kernels.ops.quantization.fp8_kernel")
     except ModuleNotFoundError:
         return importlib.import_module("sglang.srt.layers.quantization.fp8_kernel")
+
+
+# The parameters of SGLang's DeepGEMM block linear in the releases whose body is "1x128 activation quantization in
+# DeepGEMM's layout, then deep_gemm.fp8_gemm_nt" (0.5.12-0.5.21); 0.5.23 adds act_scale_ue8m0 / weight_bf16 paths.
+DEEPGEMM_LINEAR_PARAMS = ("input", "weight", "block_size", "weight_scale", "input_scale", "bias")
+
+
+def deepgemm_linear_is_quant_then_gemm(fn: Any) -> bool:
+    """Whether SGLang's DeepGEMM block linear ``fn`` is the two launches that :func:`sglang_fp8rl.kernels.deepgemm
+    .linear_direct` makes: its parameters are exactly those of 0.5.12-0.5.21 (0.5.23 adds more and is not)."""
+    import inspect
+
+    try:
+        return tuple(inspect.signature(fn).parameters) == DEEPGEMM_LINEAR_PARAMS
+    except (TypeError, ValueError):
+        return False
 
 
 def ready_for_forward(runner: Any) -> None:

@@ -2,8 +2,8 @@
 capture, calibrated after capture, and recalibrated after every complete weight update while the engine is idle.
 
 * ``ModelRunner.load_model`` (via :mod:`.model_runner`): resolve the mode, choose the calibration batch.
-* ``ModelRunner.init_attention_backends``: on a backend where recalibration was verified (Triton, FlashInfer;
-  torch-native on CPU), scale tensors on every attention layer, and the decode fold (kv_scales/decode_fold.py)
+* ``ModelRunner.init_attention_backends``: on a backend where recalibration was verified (FlashAttention-3, Triton,
+  FlashInfer; torch-native on CPU), scale tensors on every attention layer, and the decode fold (kv_scales/decode_fold.py)
   where the backend passes Python-float scales to its decode kernels, before any graph is captured. Elsewhere
   ``auto`` falls back to static scales and an explicit ``calibrate`` is refused at start. The scales in force then
   are the ones every calibration runs under.

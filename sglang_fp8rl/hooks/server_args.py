@@ -7,7 +7,7 @@ import argparse
 import logging
 from typing import Any
 
-from sglang_fp8rl.compat.runtime import decode_graph_limit_fields
+from sglang_fp8rl.compat.runtime import decode_graph_limit_fields, decode_graphs_off
 from sglang_fp8rl.layers.config import refuse_unsupported_setup
 from sglang_fp8rl.server_args import (
     FP8_DECODE_GRAPH_MAX_BS,
@@ -41,6 +41,19 @@ def fit_decode_graphs_to_capacity(args: argparse.Namespace) -> None:
                 max_field.replace("_", "-"))
 
 
+EAGER_DECODE_WARNING = (
+    "[fp8rl] decode runs without CUDA graphs: a block-FP8 linear launches two kernels (activation quantization, "
+    "GEMM) where BF16 launches one, and without graphs the host time of those launches sets the step. Measured on an "
+    "H100 (Qwen3-8B shapes, bs 64-384) FP8 decoded at 0.59-0.71x BF16's tokens/s without graphs; with them, faster "
+    "than BF16 at every batch size (docs/RESULTS.md 19, 20). Keep decode CUDA graphs on for FP8 rollout.")
+
+
+def warn_if_decode_is_eager(server_args: Any) -> None:
+    """One warning at start when decode CUDA graphs are off (verl's enforce_eager, --disable-cuda-graph, ...)."""
+    if decode_graphs_off(server_args):
+        logger.warning(EAGER_DECODE_WARNING)
+
+
 def install_server_args_hooks() -> None:
     """Extend SGLang's `ServerArgs.add_cli_args` / `from_cli_args` with our options (idempotent)."""
     from sglang.srt.server_args import ServerArgs
@@ -63,6 +76,7 @@ def install_server_args_hooks() -> None:
         if getattr(server_args, "quantization", None) == QUANTIZATION_NAME:
             refuse_unsupported_setup(server_args)
             lazy_deepgemm_compile()
+            warn_if_decode_is_eager(server_args)
         return server_args
 
     ServerArgs.add_cli_args = staticmethod(add_cli_args_with_fp8rl)

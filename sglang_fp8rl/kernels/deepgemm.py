@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from types import ModuleType
 
 import torch
 
-from sglang_fp8rl.compat.runtime import fp8_kernel_module
+from sglang_fp8rl.compat.runtime import deepgemm_linear_is_quant_then_gemm, fp8_kernel_module
+from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE
 
 PRECOMPILE_ENV = "SGLANG_JIT_DEEPGEMM_PRECOMPILE"  # SGLang's "compile every M at the first call" switch
 AUTO_BACKEND = "auto"  # SGLang's --fp8-gemm-backend default; any other value is a backend the user named
@@ -103,6 +105,51 @@ def detect(device: torch.device | int | None = None) -> DeepGemmFacts:
         utils = sglang_fp8_utils()
         dispatch = utils.dispatch_w8a8_block_fp8_linear() is utils.deepgemm_w8a8_block_fp8_linear_with_fallback
     return DeepGemmFacts(enabled=enabled, ue8m0=ue8m0, dispatch_is_deepgemm=dispatch, sms=sms)
+
+
+@functools.cache
+def deep_gemm_module() -> ModuleType:
+    """DeepGEMM itself (the module SGLang's wrapper launches from), imported once on first use."""
+    import deep_gemm
+
+    return deep_gemm
+
+
+def precompile_on() -> bool:
+    """SGLang's reading of SGLANG_JIT_DEEPGEMM_PRECOMPILE (on unless set to something other than true / 1)."""
+    return os.environ.get(PRECOMPILE_ENV, "true").lower() in ("true", "1")
+
+
+def direct_reason(facts: DeepGemmFacts) -> str | None:
+    """Why SGLang's default block linear cannot be made here as the two launches of :func:`linear_direct`, or None."""
+    if not facts.default_is_fp32_deepgemm:
+        return "SGLang's block-FP8 linear is not DeepGEMM with float32 scales here"
+    if not deepgemm_linear_is_quant_then_gemm(sglang_fp8_utils().deepgemm_w8a8_block_fp8_linear_with_fallback):
+        return "this SGLang release's DeepGEMM linear is not the two launches this package makes (0.5.12-0.5.21)"
+    if precompile_on():
+        return f"{PRECOMPILE_ENV} is on: SGLang's linear compiles every M of a shape at its first call"
+    return None
+
+
+def direct_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether SGLang's DeepGEMM linear would run this call on DeepGEMM (else it takes another path of its own)."""
+    return (x.dtype == torch.bfloat16 and x.numel() > 0 and x.is_contiguous()
+            and deepgemm_takes_shape(weight.shape[0], weight.shape[1]))
+
+
+def linear_direct(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """SGLang's DeepGEMM block linear (0.5.12-0.5.21) as its two launches: the same activation quantizer call and
+    the same ``deep_gemm.fp8_gemm_nt`` launch, so the same kernels and bits, without the Python layers between them
+    (custom-op dispatch, JIT hook, checks): host time that decode without CUDA graphs pays per call (RESULTS 20)."""
+    x2d = x.view(-1, x.shape[-1])
+    xq, xs = sglang_fp8_kernel().sglang_per_token_group_quant_fp8(
+        x2d, DEFAULT_BLOCK_SIZE[1], column_major_scales=True, scale_tma_aligned=True, scale_ue8m0=False)
+    out = xq.new_empty((x2d.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+    deep_gemm_module().fp8_gemm_nt((xq, xs), (weight, weight_scale_inv), out)
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def candidate_errors() -> tuple[type[BaseException], ...]:

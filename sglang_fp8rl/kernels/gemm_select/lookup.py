@@ -1,7 +1,10 @@
 """Apply-time lookup: the choices load-time preparation installed for this process, and the linear apply using them.
 
 Nothing installed (selection off, ``--fp8-gemm-backend`` named, nothing measured, or preparation not run) means
-SGLang's own dispatched linear for every call, with exactly the arguments SGLang's linear method passes.
+SGLang's own dispatched linear for every call, with exactly the arguments SGLang's linear method passes. Where
+preparation installed ``direct``, the default's calls that SGLang would run on DeepGEMM and that no CUDA graph is
+capturing are made as SGLang's two launches directly (:func:`sglang_fp8rl.kernels.deepgemm.linear_direct`: the same
+kernels, less host time: decode without CUDA graphs pays it every step).
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+
+from sglang_fp8rl.kernels.deepgemm import direct_takes, linear_direct
 from sglang_fp8rl.kernels.gemm_select.buckets import m_bucket, shape_key
 from sglang_fp8rl.kernels.gemm_select.candidates import BLOCK, DEFAULT, Candidate, default_linear, sglang_block_call
 
@@ -20,23 +26,27 @@ class Selection:
 
     choices: dict[str, str] = dataclasses.field(default_factory=dict)
     candidates: dict[str, Candidate] = dataclasses.field(default_factory=dict)
+    direct: bool = False  # the default's DeepGEMM calls made as SGLang's two launches (linear_direct)
 
 
 _ACTIVE = Selection()
 
 
-def install(choices: Mapping[str, str], candidates: Mapping[str, Candidate]) -> None:
-    """Make ``choices`` this process's selection (entries choosing the default are dropped: it is the fallback)."""
+def install(choices: Mapping[str, str], candidates: Mapping[str, Candidate], direct: bool = False) -> None:
+    """Make ``choices`` this process's selection (entries choosing the default are dropped: it is the fallback);
+    ``direct``: make the default's DeepGEMM calls directly (only where ``deepgemm.direct_reason`` found no reason
+    against it)."""
     missing = {name for name in choices.values() if name != DEFAULT and name not in candidates}
     if missing:
         raise ValueError(f"gemm_select: choices name unknown candidates {sorted(missing)}")
     _ACTIVE.choices = {key: name for key, name in choices.items() if name != DEFAULT}
     _ACTIVE.candidates = dict(candidates)
+    _ACTIVE.direct = direct
 
 
 def installed() -> Selection:
     """A copy of this process's selection."""
-    return Selection(dict(_ACTIVE.choices), dict(_ACTIVE.candidates))
+    return Selection(dict(_ACTIVE.choices), dict(_ACTIVE.candidates), _ACTIVE.direct)
 
 
 def reset_state() -> None:
@@ -50,14 +60,23 @@ def select(m: int, n: int, k: int) -> str:
     return _ACTIVE.choices.get(shape_key(n, k, m_bucket(m)), DEFAULT)
 
 
+def capturing(x: Any) -> bool:
+    """Whether this launch is being captured into a CUDA graph. Captured launches stay SGLang's own calls: a replay
+    has no host time to save, and the graph-mode speeds in docs/RESULTS.md were measured through SGLang's call."""
+    return bool(x.is_cuda) and torch.cuda.is_current_stream_capturing()
+
+
 def apply_selected(x: Any, weight: Any, weight_scale_inv: Any, bias: Any, default_fn: Callable,
                    block_size: Sequence[int] = BLOCK) -> Any:
     """The linear apply with selection: ``default_fn`` is SGLang's dispatched block linear (keyword signature).
     Blocks other than 128x128 always take ``default_fn`` (the candidates and the cache assume 128x128)."""
-    if not _ACTIVE.choices or tuple(block_size) != BLOCK:
+    if tuple(block_size) != BLOCK:
         return sglang_block_call(default_fn, x, weight, weight_scale_inv, bias, block_size)
-    k = x.shape[-1]
-    name = select(x.numel() // k if x.numel() else 1, weight.shape[0], k)
-    if name == DEFAULT:
-        return sglang_block_call(default_fn, x, weight, weight_scale_inv, bias, block_size)
-    return _ACTIVE.candidates[name].fn(x, weight, weight_scale_inv, bias)
+    if _ACTIVE.choices:
+        k = x.shape[-1]
+        name = select(x.numel() // k if x.numel() else 1, weight.shape[0], k)
+        if name != DEFAULT:
+            return _ACTIVE.candidates[name].fn(x, weight, weight_scale_inv, bias)
+    if _ACTIVE.direct and not capturing(x) and direct_takes(x, weight):
+        return linear_direct(x, weight, weight_scale_inv, bias)
+    return sglang_block_call(default_fn, x, weight, weight_scale_inv, bias, block_size)

@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 GEMM_SELECT_MODES = ("auto", "cache", "off")
 WARMUP_LOG = "[fp8rl] DeepGEMM JIT warm-up for %s: %s"  # parsed by scripts/bench_startup.py
 WORKERS_LOG = "[fp8rl] DeepGEMM JIT warm-up: %s%s"  # the worker count decision; parsed by scripts/bench_startup.py
+DIRECT_LOG = "[fp8rl] block-FP8 linears on SGLang's default GEMM: %s"
 NO_WORKERS = "; SGLang compiles DeepGEMM's kernels during CUDA-graph capture instead"
 
 Streams = dict[tuple[int, int, int | None], set[int]]  # (N, K, num_sms or None) -> M values to launch
@@ -107,6 +108,7 @@ class Runtime:
     device_index: int = 0
     gpu_memory: Callable[[], tuple[int, int]] = cuda_memory
     make_bench: Callable[[DeepGemmFacts], Bench] = _gpu_bench
+    direct_reason: Callable[[DeepGemmFacts], str | None] = deepgemm.direct_reason
 
     @classmethod
     def detect(cls) -> Runtime:
@@ -156,11 +158,22 @@ def prepare_shapes(shapes: Sequence[tuple[int, int]], request: PrepareRequest, r
             valid.update(_tune(shapes, request, runtime, valid, pool))
     if not request.selecting:
         return {}
-    lookup.install(choices_of(valid), runtime.candidates)
+    lookup.install(choices_of(valid), runtime.candidates, direct=install_direct(runtime))
     logger.info("[fp8rl] gemm_select (%s, cache %s): %d shapes x %d M buckets, %d on %s for lack of a measurement\n%s",
                 request.mode, runtime.cache_path, len(shapes), len(buckets_upto(request.max_m)),
                 len(wanted) - len(valid), DEFAULT, format_table(valid))
     return valid
+
+
+def install_direct(runtime: Runtime) -> bool:
+    """Whether the default's DeepGEMM calls are made directly here (deepgemm.linear_direct); logged once."""
+    why_not = runtime.direct_reason(runtime.facts)
+    if why_not is None:
+        logger.info(DIRECT_LOG, "outside CUDA graphs, DeepGEMM launched directly (SGLang's quantizer and GEMM "
+                                "kernels, the same bits, without the Python layers between them: less host time)")
+    else:
+        logger.info(DIRECT_LOG, f"through SGLang's own linear ({why_not})")
+    return why_not is None
 
 
 def usable_entries(entries: Mapping[str, Entry], wanted: Collection[str], runtime: Runtime) -> dict[str, Entry]:
