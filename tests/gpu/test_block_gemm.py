@@ -136,3 +136,21 @@ def test_ours_is_reproducible_and_graph_safe(split_k):
 def test_shape_list_covers_the_issue():
     assert (24576, 4096) in SHAPES and (6144, 4096) in SHAPES and (4096, 12288) in SHAPES  # Qwen3-8B TP1
     assert len(SHAPES) >= 20
+
+
+@pytest.mark.parametrize("n, k", sorted(DEEPGEMM_SHAPES), ids=[f"{n}x{k}" for n, k in sorted(DEEPGEMM_SHAPES)])
+def test_direct_call_equals_sglangs_linear_bit_for_bit(candidates, monkeypatch, n, k):
+    """kernels.deepgemm.linear_direct (the default outside CUDA graphs) gives SGLang's DeepGEMM linear's bits."""
+    monkeypatch.setenv(deepgemm.PRECOMPILE_ENV, "0")
+    why_not = deepgemm.direct_reason(deepgemm.detect())
+    if why_not is not None:
+        pytest.skip(why_not)
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    wq, ws = gs.random_block_weight(n, k, "cuda", gen)
+    bias = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    for m in MS:
+        x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for b in (None, bias):
+            ours = deepgemm.linear_direct(x, wq, ws, b)
+            theirs = gs.candidates.sglang_block_call(gs.candidates.default_linear(), x, wq, ws, b)
+            assert torch.equal(ours, theirs), f"N={n} K={k} M={m} bias={b is not None}"
