@@ -194,5 +194,25 @@ def test_captured_launches_stay_sglangs_own_call(monkeypatch):
     assert gs.apply_selected(x, w, s, None, Recorder("sglang")) == "direct"
 
 
-def test_capturing_is_false_for_host_tensors():
+def test_capturing_is_false_for_host_tensors_and_true_under_torch_compile(monkeypatch):
     assert lookup_mod.capturing(torch.zeros(2)) is False
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert lookup_mod.capturing(torch.zeros(2)) is True
+
+
+def test_dynamo_traces_the_apply_through_sglangs_call(monkeypatch):
+    """Under torch.compile (SGLang's piecewise prefill graphs) the apply takes SGLang's call, never the direct one."""
+    direct = Recorder("direct")
+    monkeypatch.setattr(lookup_mod, "linear_direct", lambda *a: direct(*a) or a[0])
+    gs.install({}, {}, direct=True)
+    x, w, s = operands()
+    sglang_calls = []
+
+    def sglang_linear(input, weight, block_size, weight_scale, input_scale, bias):
+        sglang_calls.append(1)
+        return input * 2
+
+    compiled = torch.compile(lambda t: gs.apply_selected(t, w, s, None, sglang_linear), backend="eager",
+                             fullgraph=False)
+    out = compiled(x)
+    assert torch.equal(out, x * 2) and direct.calls == [] and sglang_calls

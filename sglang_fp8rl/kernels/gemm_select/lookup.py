@@ -61,9 +61,11 @@ def select(m: int, n: int, k: int) -> str:
 
 
 def capturing(x: Any) -> bool:
-    """Whether this launch is being captured into a CUDA graph. Captured launches stay SGLang's own calls: a replay
-    has no host time to save, and the graph-mode speeds in docs/RESULTS.md were measured through SGLang's call."""
-    return bool(x.is_cuda) and torch.cuda.is_current_stream_capturing()
+    """Whether this launch is being captured into a CUDA graph or traced by torch.compile (SGLang's piecewise prefill
+    graphs trace the model with Dynamo, which can follow SGLang's custom ops but not a raw DeepGEMM call). Those stay
+    SGLang's own calls: a replay has no host time to save, and the graph-mode speeds in docs/RESULTS.md were measured
+    through SGLang's call."""
+    return torch.compiler.is_compiling() or (bool(x.is_cuda) and torch.cuda.is_current_stream_capturing())
 
 
 def apply_selected(x: Any, weight: Any, weight_scale_inv: Any, bias: Any, default_fn: Callable,
