@@ -415,6 +415,74 @@ def scenario_sessions(runner, extra: dict) -> dict:
     return out
 
 
+class IdleScheduler:
+    """The parts of SGLang's scheduler that its /flush_cache handler and the plugin's hook read, on an idle engine."""
+
+    def __init__(self, mr) -> None:
+        from types import SimpleNamespace
+
+        self.tp_worker = SimpleNamespace(model_runner=mr)
+        self._pending_flush = None  # up to 0.5.14 the handler keeps its pending flush on the scheduler
+        self.flushes = 0
+
+    def flush_cache(self, **_) -> bool:
+        self.flushes += 1
+        return True
+
+    def is_fully_idle(self, **_) -> bool:
+        return True
+
+
+def flush_answerer(scheduler: IdleScheduler):
+    """A callable answering one /flush_cache through SGLang's own handler (the plugin's hook around it)."""
+    import inspect
+
+    from sglang.srt.managers.io_struct import FlushCacheReqInput
+
+    from sglang_fp8rl.compat import updates
+
+    owner, method = updates.flush_request_handler()
+    if method != "handle":  # up to 0.5.14: a Scheduler method
+        return lambda: getattr(owner, method)(scheduler, FlushCacheReqInput())
+    params = inspect.signature(owner).parameters
+    handler = owner(**{name: getattr(scheduler, name, None) for name in params})
+    return lambda: handler.handle(FlushCacheReqInput())
+
+
+def scenario_flush(runner, extra: dict) -> dict:
+    """verl's weight sync: updates with no step marker and no session, then an explicit /flush_cache answered by
+    SGLang's own handler; a step holding an FP8 half for its partner, then that partner."""
+    from sglang_fp8rl.kv_scales.calibrate import kv_scale_record
+    from sglang_fp8rl.kv_scales.engine import kv_state
+    from sglang_fp8rl.quant import quantize_blockwise
+    from sglang_fp8rl.weight_sync.step import current_step
+
+    mr = runner.torch_runner
+    updater = updater_of(mr)
+    sd = torch.load(extra["state_dict"], weights_only=False)
+    scheduler = IdleScheduler(mr)
+    flush = flush_answerer(scheduler)
+    writes = (lambda: kv_scale_record().as_dict()["writes"]) if kv_state().calibrating else (lambda: None)
+    out = {"writes_load": writes(), "flush_idle": flush().success, "step_idle": current_step().describe()}
+    name = "model.layers.0.self_attn.v_proj.weight"
+    out["update"] = updater.update_weights_from_tensor([(name, sd[name] * 8)])
+    out["step_open"], out["due_before_flush"] = current_step().describe(), kv_state().due
+    out["flush"] = flush().success
+    out["step_after_flush"], out["writes_after_flush"] = current_step().describe(), writes()
+    out["record"] = kv_scale_record().as_dict() if kv_state().calibrating else {}
+    out["flush_again"], out["writes_after_again"] = flush().success, writes()
+    half = "model.layers.1.mlp.down_proj.weight"
+    codes, scale = quantize_blockwise(sd[half], scale_format="pow2")
+    out["half"] = updater.update_weights_from_tensor([(half, codes)])
+    out["flush_held"] = flush().success
+    out["step_held"] = current_step().describe()
+    out["partner"] = updater.update_weights_from_tensor([(half + "_scale_inv", scale)])
+    out["flush_paired"] = flush().success
+    out["step_paired"], out["writes_paired"] = current_step().describe(), writes()
+    out["flushes"] = scheduler.flushes
+    return out
+
+
 def differing_names(a: dict, b: dict) -> list[str]:
     """Names whose bytes differ between two snapshots."""
     return [name for name in a if not torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8))]
@@ -513,7 +581,7 @@ def scenario_malformed(runner, extra: dict) -> dict:
 SCENARIOS = {"client": scenario_client, "load": scenario_load, "updates": scenario_updates, "leak": scenario_leak,
              "device_failure": scenario_device_failure, "malformed": scenario_malformed,
              "tp_fault": scenario_tp_fault, "atomic": scenario_atomic, "kv": scenario_kv,
-             "sessions": scenario_sessions, "lifecycle": scenario_lifecycle}
+             "sessions": scenario_sessions, "lifecycle": scenario_lifecycle, "flush": scenario_flush}
 
 
 def main() -> None:

@@ -152,3 +152,29 @@ def test_a_refused_flush_after_an_update_does_not_kill_the_scheduler_and_is_retr
     scheduler = SimpleNamespace(is_fully_idle=lambda: True, weight_updater=manager)
     kv_cache.wrap_on_idle(lambda self: None)(scheduler)
     assert not update.engine_state().flush_due and flushes == ["flush", "flush"]
+
+
+@pytest.mark.parametrize("kv", [True, False], ids=["fp8_kv", "bf16_kv"])
+def test_an_explicit_cache_flush_ends_a_step_without_marker_or_session(model, kv):
+    """verl 0.9.1's sync (buckets with no step marker, no session, then /flush_cache) through SGLang's own flush
+    handler: the flush ends the step and the calibrated KV scales follow the new weights; a flush with no step open
+    changes nothing; a step holding an FP8 half for its partner stays open until the partner comes."""
+    args = (*QUANT, "--kv-cache-dtype", "fp8_e4m3") if kv else QUANT
+    out = run_worker("flush", str(model / "w0"), str(model / f"flush_{kv}.pt"), *args,
+                     extra={"state_dict": str(model / "w0.pt")})
+    assert out["flush_idle"] and out["step_idle"]["steps_ended"] == 0
+    assert out["update"][0] and out["step_open"]["phase"] == "open" and not out["due_before_flush"]
+    assert out["flush"] and out["step_after_flush"]["phase"] == "idle"
+    assert out["step_after_flush"]["steps_ended"] == 1
+    if kv:
+        assert out["writes_after_flush"] == out["writes_load"] + 1
+        assert out["record"]["source"] == "calibration"
+    else:
+        assert out["writes_after_flush"] is None
+    assert out["flush_again"] and out["writes_after_again"] == out["writes_after_flush"]
+    assert out["half"][0] and out["flush_held"]
+    assert out["step_held"]["phase"] == "open" and out["step_held"]["held_halves"]
+    assert out["partner"][0] and out["flush_paired"]
+    assert out["step_paired"]["phase"] == "idle" and out["step_paired"]["steps_ended"] == 2
+    if kv:
+        assert out["writes_paired"] == out["writes_after_flush"] + 1

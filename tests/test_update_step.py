@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from sglang_fp8rl.weight_sync.step import Phase, UpdateStep
 
 LAYERS = 4
@@ -35,6 +37,28 @@ def test_a_marker_inside_a_session_is_only_noted():
     assert step.end(LAYERS, marker=True) is None and step.open and step.complete_requested
     commit = step.end(LAYERS)
     assert commit is not None and commit.index == 1 and not step.open and not step.session
+
+
+def test_an_explicit_flush_ends_only_an_open_written_step_outside_a_session():
+    """What ends_on_flush says (verl's sync ends with /flush_cache, no marker, no session); a query."""
+    step = UpdateStep()
+    assert not step.ends_on_flush  # idle
+    step.refused("nothing written")
+    assert step.open and not step.ends_on_flush  # open, nothing written
+    step.applied(["a"])
+    assert step.ends_on_flush and step.open  # the query changed nothing
+    session = UpdateStep()
+    session.begin(session=True)
+    session.applied(["a"])
+    assert not session.ends_on_flush  # only the session's end ends it
+    atomic = UpdateStep()
+    atomic.validated()
+    atomic.applied(["a"])
+    assert not atomic.ends_on_flush  # all-or-nothing: its applying round may still come
+    held = UpdateStep()
+    held.held["w.weight"] = torch.zeros(1)
+    held.applied(["a"])
+    assert not held.ends_on_flush  # a half waits for its partner
 
 
 def test_an_atomic_step_refused_after_a_write_breaks_once():

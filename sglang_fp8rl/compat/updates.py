@@ -150,3 +150,22 @@ def flush_after_update_asserts() -> bool:
 
     method = getattr(scheduler_update_owner(), "flush_cache_after_weight_update", None)
     return method is not None and len(inspect.signature(method).parameters) == 2  # (self, recv_req)
+
+
+def flush_request_handler() -> tuple[type, str]:
+    """The scheduler-side method that answers an explicit ``/flush_cache`` (``FlushCacheReqInput``):
+    ``SchedulerFlushWrapper.handle`` from 0.5.15, ``Scheduler.flush_cache_wrapped`` before."""
+    try:
+        from sglang.srt.managers.scheduler_components.flush_wrapper import SchedulerFlushWrapper
+    except ImportError:
+        from sglang.srt.managers.scheduler import Scheduler
+
+        return Scheduler, "flush_cache_wrapped"
+    return SchedulerFlushWrapper, "handle"
+
+
+def flush_handler_scheduler(handler_owner: Any) -> Any:
+    """The scheduler behind the object that answered a ``/flush_cache``: the scheduler itself up to 0.5.14; from
+    0.5.15 the ``SchedulerFlushWrapper``, which keeps no reference to it but holds its bound ``flush_cache``."""
+    flush = getattr(handler_owner, "_flush_cache", None)
+    return getattr(flush, "__self__", handler_owner)

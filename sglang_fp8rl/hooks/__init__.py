@@ -6,7 +6,8 @@ One module per patched SGLang component:
 * :mod:`.model_runner`: after load, guard the model's updates and prepare its GEMMs;
 * :mod:`.weight_updater`: every update entry point; :mod:`.distributed`: the trainer's broadcast;
 * :mod:`.kv_cache`: FP8 KV-cache scales set up, made graph-safe, calibrated at load and after complete updates;
-* :mod:`.sessions`: SGLang's weight-update sessions (0.5.21+) as the step's begin and end;
+* :mod:`.sessions`: SGLang's weight-update sessions (0.5.21+) as the step's begin and end, and an explicit cache
+  flush as the end of a step without a session (verl's);
 * :mod:`.scheduler`: telemetry, and refusal to serve while inconsistent;
 * :mod:`.tokenizer`: ``/health`` while inconsistent;
 * :mod:`.sglang_logs`: SGLang's "not fully optimized" warning, untrue for this method, filtered.
@@ -74,6 +75,7 @@ def install_hooks() -> None:
     if updates.has_update_sessions():
         patch(updates.scheduler_update_owner(), "begin_weight_update", sessions.wrap_begin)
         patch(updates.scheduler_update_owner(), "end_weight_update", sessions.wrap_end)
+    patch(*updates.flush_request_handler(), sessions.wrap_flush_request)
     if updates.flush_after_update_asserts():
         patch(updates.scheduler_update_owner(), "flush_cache_after_weight_update", kv_cache.wrap_flush_after_update)
     patch(Scheduler, "on_idle", kv_cache.wrap_on_idle)

@@ -1,16 +1,25 @@
-"""SGLang's weight-update sessions (0.5.21+), on ``SchedulerWeightUpdaterManager``: ``begin_weight_update`` opens the
-step (:mod:`sglang_fp8rl.weight_sync.step`) and ``end_weight_update`` ends it, after SGLang has finalized the weights
-(its ``process_weights_after_loading`` re-run, which our FP8 methods make a no-op that keeps every pointer); a due
-KV-scale recalibration then runs as after any update answer."""
+"""Step boundaries that SGLang signals (:mod:`sglang_fp8rl.weight_sync.step`).
+
+* Weight-update sessions (0.5.21+), on ``SchedulerWeightUpdaterManager``: ``begin_weight_update`` opens the step and
+  ``end_weight_update`` ends it, after SGLang has finalized the weights (its ``process_weights_after_loading`` re-run,
+  which our FP8 methods make a no-op that keeps every pointer).
+* An explicit ``/flush_cache`` answered with success (every release): it ends an open step outside a session that
+  wrote weights. verl 0.9.1 ends each weight sync that way, with no step marker and no session.
+
+A due KV-scale recalibration then runs as after any update answer."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
+from sglang_fp8rl.compat import updates
 from sglang_fp8rl.hooks.kv_cache import recalibrate_if_due
 from sglang_fp8rl.weight_sync import guard
 from sglang_fp8rl.weight_sync.step import current_step, end_step
 from sglang_fp8rl.weight_sync.update import is_attached
+
+logger = logging.getLogger(__name__)
 
 
 def served_model(manager: Any) -> Any:
@@ -42,3 +51,34 @@ def wrap_end(original: Callable) -> Callable:
         return output
 
     return end_weight_update
+
+
+def end_step_on_flush(manager: Any) -> None:
+    """After a successful ``/flush_cache``: end the step if the flush ends it (:attr:`UpdateStep.ends_on_flush`),
+    then run a due recalibration (the engine is idle: SGLang flushes only then). Never raises: this runs in SGLang's
+    scheduler loop."""
+    try:
+        model = served_model(manager)
+        if not (is_attached(model) and current_step().ends_on_flush):
+            return
+        commit = end_step(model)
+        logger.info("[fp8rl] step %d ended by /flush_cache (a weight sync without a step marker or session)",
+                    commit.index)
+        recalibrate_if_due(manager)
+    except Exception as e:  # noqa: BLE001 - the boundary to SGLang's scheduler: nothing may escape
+        logger.warning("[fp8rl] ending the weight-update step on /flush_cache failed; the step stays open: %s: %s",
+                       type(e).__name__, e)
+
+
+def wrap_flush_request(original: Callable) -> Callable:
+    """The answer to ``/flush_cache`` (``compat.updates.flush_request_handler``): SGLang's, then, if it flushed,
+    :func:`end_step_on_flush` on its scheduler's update manager. A flush left pending (its ``timeout_s`` while
+    requests run) ends nothing."""
+    def handle(self, recv_req):
+        output = original(self, recv_req)
+        if getattr(output, "success", False):
+            scheduler = updates.flush_handler_scheduler(self)
+            end_step_on_flush(updates.scheduler_update_manager(scheduler))
+        return output
+
+    return handle

@@ -8,8 +8,9 @@
 * **requests**: each one is validate-only (the first round of an all-or-nothing step: the step is then *atomic*),
   applied (its tensors were written) or refused (nothing of it was written).
 * **end**: SGLang's ``end_weight_update`` (0.5.21+), else a request carrying the step-complete marker, a disk update
-  that rewrote every parameter, or a checkpoint-engine IPC update (one call per step). A marker inside a session is
-  noted and the step ends with the session.
+  that rewrote every parameter, a checkpoint-engine IPC update (one call per step), or an explicit ``/flush_cache``
+  answered after applied requests (verl's end of a weight sync: no marker, no session; :attr:`UpdateStep
+  .ends_on_flush`). A marker inside a session is noted and the step ends with the session.
 * **held halves**: an FP8 weight and its scale may come in different requests of a step (verl's buckets split them).
   An applied request leaves the half whose partner has not come yet with the step (a copy, at most
   :data:`MAX_HELD_BYTES` in all; a request that would hold more is refused); the request that brings the partner
@@ -115,6 +116,12 @@ class UpdateStep:
                                  f"bytes of FP8 halves in this step, more than {MAX_HELD_BYTES:,}; send each weight "
                                  "with its scale")
         return pairing
+
+    @property
+    def ends_on_flush(self) -> bool:
+        """Whether an explicit cache flush ends this step: open, outside a session, with weights written, not
+        all-or-nothing (its applying round may still come) and holding no FP8 half for its partner."""
+        return self.open and not self.session and not self.atomic and bool(self.written) and not self.held
 
     @property
     def open(self) -> bool:
