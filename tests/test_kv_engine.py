@@ -178,3 +178,19 @@ def test_an_explicit_cache_flush_ends_a_step_without_marker_or_session(model, kv
     assert out["step_paired"]["phase"] == "idle" and out["step_paired"]["steps_ended"] == 2
     if kv:
         assert out["writes_paired"] == out["writes_after_flush"] + 1
+
+
+def test_the_flush_hook_never_raises_into_the_scheduler(caplog):
+    """A failure inside the hook (here: no scheduler behind the handler) is logged; SGLang's answer goes out as is."""
+    import logging
+    from types import SimpleNamespace
+
+    from sglang_fp8rl.hooks import sessions
+
+    answer = SimpleNamespace(success=True)
+    handle = sessions.wrap_flush_request(lambda self, recv_req: answer)
+    with caplog.at_level(logging.WARNING, logger=sessions.__name__):
+        assert handle(SimpleNamespace(), object()) is answer
+    assert "the step stays open" in caplog.text
+    refused = SimpleNamespace(success=False)
+    assert sessions.wrap_flush_request(lambda self, recv_req: refused)(SimpleNamespace(), object()) is refused

@@ -53,11 +53,12 @@ def wrap_end(original: Callable) -> Callable:
     return end_weight_update
 
 
-def end_step_on_flush(manager: Any) -> None:
-    """After a successful ``/flush_cache``: end the step if the flush ends it (:attr:`UpdateStep.ends_on_flush`),
-    then run a due recalibration (the engine is idle: SGLang flushes only then). Never raises: this runs in SGLang's
-    scheduler loop."""
+def end_step_on_flush(handler_owner: Any) -> None:
+    """After a successful ``/flush_cache`` answered by ``handler_owner``: end the step if the flush ends it
+    (:attr:`UpdateStep.ends_on_flush`), then run a due recalibration (the engine is idle: SGLang flushes only then).
+    Never raises: this runs in SGLang's scheduler loop."""
     try:
+        manager = updates.scheduler_update_manager(updates.flush_handler_scheduler(handler_owner))
         model = served_model(manager)
         if not (is_attached(model) and current_step().ends_on_flush):
             return
@@ -72,13 +73,11 @@ def end_step_on_flush(manager: Any) -> None:
 
 def wrap_flush_request(original: Callable) -> Callable:
     """The answer to ``/flush_cache`` (``compat.updates.flush_request_handler``): SGLang's, then, if it flushed,
-    :func:`end_step_on_flush` on its scheduler's update manager. A flush left pending (its ``timeout_s`` while
-    requests run) ends nothing."""
+    :func:`end_step_on_flush`. A flush left pending (its ``timeout_s`` while requests run) ends nothing."""
     def handle(self, recv_req):
         output = original(self, recv_req)
         if getattr(output, "success", False):
-            scheduler = updates.flush_handler_scheduler(self)
-            end_step_on_flush(updates.scheduler_update_manager(scheduler))
+            end_step_on_flush(self)
         return output
 
     return handle
