@@ -5,6 +5,7 @@ recorded; installed only where nothing speaks against it, and logged once."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import types
 
@@ -19,18 +20,11 @@ from sglang_fp8rl.kernels.deepgemm import DeepGemmFacts
 from sglang_fp8rl.kernels.gemm_select import lookup as lookup_mod
 from sglang_fp8rl.kernels.gemm_select import prepare as prepare_mod
 from sglang_fp8rl.quant import FP8_DTYPE
-from test_gemm_select import Recorder  # noqa: E402  (tests/ is on sys.path: conftest.py)
+from test_gemm_select import ON, Recorder, clean_state, cpu_runtime, request  # noqa: F401  (tests/ is on sys.path:
+# conftest.py; clean_state is that module's autouse fixture, used here too: a fresh selection and a per-test cache file)
 
 M, N, K = 5, 256, 512
-ON = DeepGemmFacts(enabled=True, ue8m0=False, dispatch_is_deepgemm=True, sms=132)
 TWO_LAUNCH_RELEASES = ("0.5.12", "0.5.15.post1", "0.5.17", "0.5.21")
-
-
-@pytest.fixture(autouse=True)
-def _clean_selection():
-    gs.reset_state()
-    yield
-    gs.reset_state()
 
 
 class Launches:
@@ -162,24 +156,21 @@ def test_apply_routes_the_default_through_the_direct_call_only_when_installed(mo
 
 
 def runtime(reason):
-    return prepare_mod.Runtime(ON, gs.make_candidates(), gs.env_info(ON), "/nonexistent/gemm_select.json",
-                               direct_reason=lambda facts: reason)
+    return dataclasses.replace(cpu_runtime(gs.make_candidates(), ON), direct_reason=lambda facts: reason)
 
 
 @pytest.mark.parametrize("reason", [None, "SGLANG_JIT_DEEPGEMM_PRECOMPILE is on"])
 def test_preparation_installs_the_direct_call_and_logs_the_decision_once(reason, caplog):
-    request = prepare_mod.PrepareRequest(mode="cache", budget_s=0.0, jit_workers=0)
     with caplog.at_level(logging.INFO, logger=prepare_mod.__name__):
-        prepare_mod.prepare_shapes([(N, K)], request, runtime(reason))
+        prepare_mod.prepare_shapes([(N, K)], request("cache", budget=0.0), runtime(reason))
     assert gs.installed().direct is (reason is None)
     said = [r.getMessage() for r in caplog.records if "SGLang's default GEMM" in r.getMessage()]
     assert len(said) == 1 and (("launched directly" in said[0]) if reason is None else (reason in said[0]))
 
 
 def test_selection_off_or_a_named_backend_keeps_sglangs_own_linear():
-    for request in (prepare_mod.PrepareRequest(mode="off", budget_s=0.0, jit_workers=0),
-                    prepare_mod.PrepareRequest(mode="auto", budget_s=0.0, jit_workers=0, fp8_gemm_backend="triton")):
-        prepare_mod.prepare_shapes([(N, K)], request, runtime(None))
+    for off in (request("off", budget=0.0), request("auto", budget=0.0, fp8_gemm_backend="triton")):
+        prepare_mod.prepare_shapes([(N, K)], off, runtime(None))
         assert not gs.installed().direct
 
 
