@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The other supported SGLang releases (one requirements/sglang-<version>.txt each, the primary one excepted): build
 # each pinned CPU env and run the tests that touch SGLang's internals there: the plugin and the demo, the update path
-# (malformed requests, replayed writes, pre-quantized payloads, sessions, the step's lifecycle), the FP8 KV scales and
-# the direct DeepGEMM call (whether the release's DeepGEMM linear is the two launches it makes).
+# (malformed requests, replayed writes, pre-quantized payloads, sessions, the step's lifecycle, the release and resume
+# of GPU memory), the FP8 KV scales and the direct DeepGEMM call (whether the release's DeepGEMM linear is the two
+# launches it makes).
 # The full suite runs on the primary release (scripts/cpu_test.sh with no SGLANG_VERSION).
 # The envs are built one at a time (pip); the tests then run MATRIX_JOBS releases at a time (default 2: most of a
 # run is one single-threaded worker process per release). Each release's output goes to its own log, printed at the end.
@@ -17,7 +18,7 @@ MATRIX_TESTS=(
   tests/test_plugin.py tests/test_version_matrix.py tests/test_demo_cpu.py tests/test_gpu_flags.py
   tests/test_malformed_updates.py tests/test_replayed_writes.py tests/test_prequantized_updates.py
   tests/test_session_client.py tests/test_sessions.py tests/test_step_lifecycle.py tests/test_kv_engine.py
-  tests/test_kv_scales.py tests/test_deepgemm_direct.py
+  tests/test_kv_scales.py tests/test_kv_tp_faults.py tests/test_deepgemm_direct.py tests/test_colocated.py
 )
 [ -n "${MATRIX_EXTRA_TESTS:-}" ] && MATRIX_TESTS+=($MATRIX_EXTRA_TESTS)
 # the trainers' own code, on the SGLang release each one pins (verl 0.9.1: 0.5.12; slime's image: 0.5.15.post1)

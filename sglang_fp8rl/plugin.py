@@ -8,6 +8,7 @@ exceptions, so a failure here also logs an ERROR line that names this package an
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from sglang_fp8rl.compat.versions import PRIMARY_SGLANG, SUPPORTED_SGLANG, check_sglang_version
 from sglang_fp8rl.server_args import QUANTIZATION_NAME
@@ -51,6 +52,21 @@ class _Unavailable(type):
         raise RuntimeError(f"--quantization {QUANTIZATION_NAME} is unavailable: {cls.reason}")
 
 
+def _not_this_method(cls: _Unavailable, hf_quant_cfg: Any, user_quant: str | None) -> None:
+    """SGLang asks every registered method whether it claims a checkpoint that has a quantization_config
+    (``ModelConfig._verify_quantization``, with or without --quantization): the stand-in claims none, and fails only
+    a server that asked for it."""
+    if user_quant == QUANTIZATION_NAME:
+        raise RuntimeError(f"--quantization {QUANTIZATION_NAME} is unavailable: {cls.reason}")
+
+
+def unavailable_method(reason: str) -> _Unavailable:
+    """The stand-in for our method when registration failed: a server that uses it stops with ``reason``; the
+    queries SGLang makes of every registered method answer "not me", so other models are served as without us."""
+    return _Unavailable("Fp8OnlineBlockwiseUnavailable", (), {
+        "reason": reason, "override_quantization_method": classmethod(_not_this_method)})
+
+
 def _refuse_at_start(reason: str) -> None:
     """Keep the flag, but make a server that uses it stop at start with ``reason`` (SGLang only logs a plugin's
     exception: without this the flag would be an argparse "invalid choice", or a server without our method)."""
@@ -58,8 +74,7 @@ def _refuse_at_start(reason: str) -> None:
         from sglang.srt.layers import quantization
 
         _add_quantization_choice()
-        quantization.QUANTIZATION_METHODS[QUANTIZATION_NAME] = _Unavailable(
-            "Fp8OnlineBlockwiseUnavailable", (), {"reason": reason})
+        quantization.QUANTIZATION_METHODS[QUANTIZATION_NAME] = unavailable_method(reason)
     except Exception:  # noqa: BLE001 - SGLang itself does not import: nothing to register with; the log says why
         logger.exception("[fp8rl] could not register the refusal of --quantization %s", QUANTIZATION_NAME)
 

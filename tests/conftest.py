@@ -9,7 +9,9 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+SCRIPTS = os.path.join(os.path.dirname(HERE), "scripts")
+# the test helpers here, and the modules of scripts/ and scripts/gpu/ that tests import by name
+sys.path[:0] = [HERE, SCRIPTS, os.path.join(SCRIPTS, "gpu")]
 
 from sglang_fp8rl.cpu_runner import install_cpu_stubs  # noqa: E402
 

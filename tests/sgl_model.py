@@ -48,6 +48,41 @@ def save_checkpoint(out: str, config, sd: dict[str, torch.Tensor]) -> dict[str, 
     return sd
 
 
+# SGLang's own block-FP8 checkpoint format (DeepSeek-V3's): what `--quantization fp8` serves
+SGLANG_BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}
+
+
+def write_fp8_checkpoint(out: str, dims: dict, seed: int, with_config: bool = True) -> dict[str, torch.Tensor]:
+    """A checkpoint quantized on disk as SGLang's ``fp8`` method stores it: each linear weight as float8_e4m3fn codes
+    with its ``weight_scale_inv`` (one float32 per 128x128 block); its config.json carries :data:`SGLANG_BLOCK_FP8`
+    unless ``with_config`` is False (FP8 tensors under a BF16 config)."""
+    import re
+
+    from transformers import Qwen3Config
+
+    from sglang_fp8rl.quant import quantize_blockwise
+
+    config = Qwen3Config(max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="bfloat16", **dims)
+    config.architectures = ["Qwen3ForCausalLM"]
+    sd: dict[str, torch.Tensor] = {}
+    for name, w in random_state_dict(dims, seed).items():
+        if re.search(r"_proj\.weight$", name):
+            sd[name], sd[name + "_scale_inv"] = quantize_blockwise(w.float())
+        else:
+            sd[name] = w
+    save_checkpoint(out, config, sd)
+    path = os.path.join(out, "config.json")
+    with open(path) as f:
+        written = json.load(f)
+    written.pop("quantization_config", None)
+    if with_config:
+        written["quantization_config"] = dict(SGLANG_BLOCK_FP8)
+    with open(path, "w") as f:
+        json.dump(written, f, indent=2)
+    return sd
+
+
 def write_w0_w1(d, config=None) -> tuple[dict, dict]:
     """The pair most update tests use: checkpoint folders ``d/w0`` (seed 10) and ``d/w1`` (seed 11); their state
     dicts."""
@@ -67,7 +102,8 @@ def run_worker(scenario: str, model_dir: str, out_path: str, *server_args: str, 
     proc_env.update(env or {})
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=proc_env)
     if res.returncode != 0:
-        raise AssertionError(f"worker {scenario} failed (rc={res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-8000:]}")
+        raise AssertionError(
+            f"worker {scenario} failed (rc={res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-8000:]}")
     result = torch.load(out_path, weights_only=False)
     result["_log"] = res.stdout + res.stderr
     return result

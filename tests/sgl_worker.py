@@ -302,7 +302,8 @@ def scenario_kv(runner, extra: dict) -> dict:
                                                                         torch.tensor([0.25]))])
         answers[case + "_scales"] = read_scales(layers) if kv_state().calibrating else {}
     calibrating = kv_state().calibrating
-    out.update(answers=answers, before_trainer=before, floats_match=tensors_match_floats(layers) if calibrating else None,
+    out.update(answers=answers, before_trainer=before,
+               floats_match=tensors_match_floats(layers) if calibrating else None,
                ptrs_after=[layer.k_scale.data_ptr() for layer in layers] if kv_state().calibrating else [],
                telemetry=telemetry(model)["kv_scales"])
     return out
@@ -581,7 +582,10 @@ def scenario_malformed(runner, extra: dict) -> dict:
 SCENARIOS = {"client": scenario_client, "load": scenario_load, "updates": scenario_updates, "leak": scenario_leak,
              "device_failure": scenario_device_failure, "malformed": scenario_malformed,
              "tp_fault": scenario_tp_fault, "atomic": scenario_atomic, "kv": scenario_kv,
-             "sessions": scenario_sessions, "lifecycle": scenario_lifecycle, "flush": scenario_flush}
+             "sessions": scenario_sessions, "lifecycle": scenario_lifecycle, "flush": scenario_flush,
+             "step_truth": lambda r, e: __import__("step_truth").scenario_step_truth(r, e),
+             "session_recovery": lambda r, e: __import__("step_truth").scenario_session_recovery(r, e),
+             "colocated": lambda r, e: __import__("colocated").scenario_colocated(r, e)}
 
 
 def main() -> None:

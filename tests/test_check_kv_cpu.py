@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 
+import check_kv
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu"))
-
-import check_kv  # noqa: E402, I001  (scripts/gpu on the path first)
-
-from sglang_fp8rl.kv_scales.decode_fold import ALLOW_UNVERIFIED_ENV  # noqa: E402
+from sglang_fp8rl.kv_scales.decode_fold import ALLOW_UNVERIFIED_ENV
 
 
 def test_drift_scales_v_and_o_by_a_power_of_two_and_nothing_else():

@@ -12,6 +12,10 @@ import types
 import pytest
 import torch
 
+# tests/ is on sys.path (conftest.py); clean_state is that module's autouse fixture, used here too: a fresh selection
+# and a per-test cache file
+from test_gemm_select import ON, Recorder, clean_state, cpu_runtime, request  # noqa: F401
+
 from sglang_fp8rl.compat import versions
 from sglang_fp8rl.compat.runtime import DEEPGEMM_LINEAR_PARAMS, deepgemm_linear_is_quant_then_gemm
 from sglang_fp8rl.kernels import deepgemm as dg
@@ -20,8 +24,6 @@ from sglang_fp8rl.kernels.deepgemm import DeepGemmFacts
 from sglang_fp8rl.kernels.gemm_select import lookup as lookup_mod
 from sglang_fp8rl.kernels.gemm_select import prepare as prepare_mod
 from sglang_fp8rl.quant import FP8_DTYPE
-from test_gemm_select import ON, Recorder, clean_state, cpu_runtime, request  # noqa: F401  (tests/ is on sys.path:
-# conftest.py; clean_state is that module's autouse fixture, used here too: a fresh selection and a per-test cache file)
 
 M, N, K = 5, 256, 512
 TWO_LAUNCH_RELEASES = ("0.5.12", "0.5.15.post1", "0.5.17", "0.5.21")

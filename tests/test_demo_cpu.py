@@ -8,15 +8,13 @@ import os
 import subprocess
 import sys
 
+import bench_update
 import pytest
 import torch
 
 from sglang_fp8rl import demo, demo_common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import bench_update  # noqa: E402
 
 
 def test_write_checkpoint(tmp_path):
@@ -57,7 +55,7 @@ def test_main_picks_the_version(monkeypatch, cuda, argv, version):
     from sglang_fp8rl import demo_cpu, demo_gpu
 
     monkeypatch.setattr(demo, "cuda_available", lambda: cuda)
-    monkeypatch.setattr(demo_cpu, "run_cpu", lambda args: 10)
+    monkeypatch.setattr(demo_cpu, "run_cpu", lambda args, started=None: 10)
     monkeypatch.setattr(demo_gpu, "run_gpu", lambda args: 20)
     assert demo.main(argv) == {"cpu": 10, "gpu": 20}[version]
 
@@ -193,11 +191,13 @@ def test_cpu_demo_runs_end_to_end():
     after = json.loads(out.split("after  (W1): ", 1)[1].splitlines()[0])
     assert len(before) == len(after) == demo_common.NEW_TOKENS and before != after
     assert "changed: True" in out
+    assert "since the demo started (imports included)" in out
+    assert "decode runs without CUDA graphs" not in out + r.stderr  # the engine's GPU-only advice
 
 
 def qwen3_8b_shapes() -> dict:
-    from check_server import hf_shapes
     from make_models import QWEN3_COMMON, QWEN3_SHAPES
+    from server_payloads import hf_shapes
 
     return hf_shapes(dict(QWEN3_COMMON, **QWEN3_SHAPES["qwen3-8b"]))
 

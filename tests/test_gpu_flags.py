@@ -5,15 +5,11 @@ args capture the decode batch sizes asked for with the prefill graph off."""
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import pytest
 
 from sglang_fp8rl import demo_common
 from sglang_fp8rl.compat.runtime import decode_graph_flags
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +102,8 @@ def test_demo_and_script_commands_resolve(parser, model_dir):
     graphs = decode_graphs(resolve(parser, model_dir, cmd[5:]))  # after "--model-path DIR"
     assert graphs["sizes"] == [1] and graphs["prefill_off"]
 
-    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
-    try:
-        import server_io
-    finally:
-        sys.path.pop(0)
+    import server_io  # scripts/gpu/server_io.py
+
     assert server_io.COMMON == list(server_io.common_flags())
     graphs = decode_graphs(resolve(parser, model_dir, ["--quantization", "fp8_online_blockwise", *server_io.COMMON]))
     assert graphs["max"] == server_io.DECODE_GRAPH_MAX_BS and graphs["prefill_off"]

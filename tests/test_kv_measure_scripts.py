@@ -11,20 +11,14 @@ import os
 import sys
 from fractions import Fraction
 
+import accuracy_kv as AK
+import accuracy_regression as AR
+import bench_rollout as BR
+import kv_drift as D
+import kv_measure as KV
 import pytest
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "scripts")
-sys.path.insert(0, SCRIPTS)
-sys.path.insert(0, os.path.join(SCRIPTS, "gpu"))
-
-import accuracy_kv as AK  # noqa: E402
-import accuracy_regression as AR  # noqa: E402
-import bench_rollout as BR  # noqa: E402
-import kv_drift as D  # noqa: E402
-import kv_measure as KV  # noqa: E402
-import train_toy_policy as TT  # noqa: E402
+import train_toy_policy as TT
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the recalibration log line

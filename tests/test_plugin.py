@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
+import subprocess
+import sys
 from importlib.metadata import entry_points
 
 import pytest
-from sgl_model import TINY, write_checkpoint
+from sgl_model import SGLANG_BLOCK_FP8, TINY, write_checkpoint, write_fp8_checkpoint
 
 from sglang_fp8rl import plugin
 from sglang_fp8rl.compat.versions import SUPPORTED_SGLANG, check_sglang_version
@@ -172,6 +175,44 @@ def test_failed_registration_fails_the_flag_at_start_with_the_reason(monkeypatch
     for use in (lambda: method.from_config({}), lambda: method(), lambda: method.get_min_capability()):
         with pytest.raises(RuntimeError, match="unavailable: registering it FAILED: SGLang 0.7.0 is not supported"):
             use()
+
+
+UNSUPPORTED_RELEASE = """
+import importlib.metadata, json, sys
+installed = importlib.metadata.version
+importlib.metadata.version = lambda name: "0.7.0" if name == "sglang" else installed(name)
+from sglang_fp8rl.cpu_runner import install_cpu_stubs
+install_cpu_stubs()
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.layers.quantization import QUANTIZATION_METHODS
+def build(quantization):
+    try:
+        return ModelConfig(sys.argv[1], quantization=quantization).quantization
+    except Exception as e:
+        return "ERROR " + type(e).__name__ + ": " + str(e)
+print(json.dumps({"method": QUANTIZATION_METHODS["fp8_online_blockwise"].__name__,
+                  "plain": build(None), "fp8": build("fp8"), "ours": build("fp8_online_blockwise")}))
+"""
+
+
+def test_failed_registration_leaves_other_quantized_models_alone(tmp_path):
+    """importlib.metadata reports an unsupported SGLang, so SGLang's plugin loader fails our registration (a fresh
+    process: its method table stays clean here). SGLang asks every registered method whether it claims a checkpoint
+    that has a quantization_config: SGLang's own block-FP8 checkpoint still builds its real ModelConfig, with no
+    --quantization and with --quantization fp8; only --quantization fp8_online_blockwise fails, naming the reason."""
+    write_fp8_checkpoint(str(tmp_path / "fp8"), TINY, seed=3)
+    res = subprocess.run([sys.executable, "-c", UNSUPPORTED_RELEASE, str(tmp_path / "fp8")], check=False,
+                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    runs = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "FAILED: SGLang 0.7.0 is not supported" in res.stderr, res.stderr[-3000:]
+    assert runs["method"] != "Fp8OnlineBlockwiseConfig", runs
+    assert runs["plain"] == runs["fp8"] == SGLANG_BLOCK_FP8["quant_method"], runs
+    assert runs["ours"].startswith("ERROR"), runs
+    assert ("--quantization fp8_online_blockwise is unavailable: registering it FAILED: SGLang 0.7.0 is not "
+            "supported") in runs["ours"], runs
 
 
 def test_options_env_round_trip_and_validation(monkeypatch):

@@ -12,13 +12,11 @@ import sys
 import time
 
 import pytest
+import rl_regression as RL
 import torch
+import train_toy_policy as TT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import rl_regression as RL  # noqa: E402
-import train_toy_policy as TT  # noqa: E402
 
 ANSWER = TT.answer_ids(123, 4567)  # 4690 -> "096400" reversed, + <eos>: 7 tokens
 TINY_RUN = ["--dry-run", "--model-size", "tiny", "--prompts-per-step", "3", "--group-size", "4", "--sft-max-steps", "2",

@@ -9,18 +9,15 @@ import os
 import subprocess
 import sys
 
+import accuracy_regression as AR
+import bench_rollout as BR
+import bench_startup as BS
+import make_models as MM
 import pytest
+import train_toy_policy as TT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
-sys.path.insert(0, SCRIPTS)
-sys.path.insert(0, os.path.join(SCRIPTS, "gpu"))
-
-import accuracy_regression as AR  # noqa: E402
-import bench_rollout as BR  # noqa: E402
-import bench_startup as BS  # noqa: E402
-import make_models as MM  # noqa: E402
-import train_toy_policy as TT  # noqa: E402
 
 
 def _softmax_logs(logits):
@@ -113,7 +110,8 @@ def test_scoring_dists_alignment():
     lps = AR.scoring_token_logprobs(meta, len(seq))
     assert lps == [pytest.approx(math.log(0.25))] * 3
     # fewer rows than tokens (e.g. a cached prefix): aligned at the end, missing rows empty / None
-    short = {"input_top_logprobs": meta["input_top_logprobs"][1:], "input_token_logprobs": meta["input_token_logprobs"][1:]}
+    short = {"input_top_logprobs": meta["input_top_logprobs"][1:],
+             "input_token_logprobs": meta["input_token_logprobs"][1:]}
     assert AR.scoring_dists(short, len(seq)) == d
     assert AR.scoring_token_logprobs(short, len(seq)) == lps
     shorter = {"input_top_logprobs": meta["input_top_logprobs"][2:]}
@@ -183,7 +181,7 @@ LOG = """\
 [  70.1] Total. latency:  8.479 s, throughput:  11828.00 token/s
 [  70.2] skipping (256, 512, 1024) due to max batch size limit
 [  70.3] [bench_rollout] gemm calls (eager + CUDA-graph capture; replays run no Python): {'deepgemm block': 1584}
-"""
+"""  # noqa: E501  (SGLang's log lines as they are written)
 
 
 def test_parse_log_facts_and_rows():
@@ -240,7 +238,8 @@ def test_ratios_targets_and_summary():
 
 
 def test_ratio_target_threshold_edges():
-    results = {"fp8_online_blockwise": {"rows": [_row(64, 98, 98, 1)]}, "block_prequant": {"rows": [_row(64, 100, 100, 1)]}}
+    results = {"fp8_online_blockwise": {"rows": [_row(64, 98, 98, 1)]},
+               "block_prequant": {"rows": [_row(64, 100, 100, 1)]}}
     t = BR.check_targets(BR.last_pass(results))
     by = {(x["metric"], x["den"]): x for x in t}
     assert by[("decode", "block_prequant")]["status"] == "PASS"  # 0.98 >= 0.98
@@ -337,7 +336,8 @@ def test_addition_task_roundtrip_and_split():
     assert ans[-1] == TT.EOS and TT.decode_answer(ans, task) == 4690
     assert TT.decode_answer([TT.EOS], task) is None
     var = dict(task, pad_operands=False)
-    assert TT.prompt_text(123, 4567, var) == "321+7654=" and TT.decode_answer(TT.answer_ids(123, 4567, var), var) == 4690
+    assert TT.prompt_text(123, 4567, var) == "321+7654="
+    assert TT.decode_answer(TT.answer_ids(123, 4567, var), var) == 4690
     tr = TT.sample_problems(random.Random(0), 300, "train", task)
     te = TT.test_problems(300, seed=1, task=task)
     assert not any(TT.is_test(a, b) for a, b in tr) and all(TT.is_test(a, b) for a, b in te)
@@ -411,9 +411,9 @@ def test_make_models(tmp_path):
 
 
 def test_scripts_import_light_and_help_works():
-    code = ("import sys; sys.path[:0] = [%r, %r]; import bench_rollout, accuracy_regression, train_toy_policy, "
-            "make_models; bad = [m for m in ('torch', 'sglang', 'transformers', 'matplotlib') if m in sys.modules]; "
-            "assert not bad, bad" % (SCRIPTS, os.path.join(SCRIPTS, "gpu")))
+    code = (f"import sys; sys.path[:0] = [{SCRIPTS!r}, {os.path.join(SCRIPTS, 'gpu')!r}]; import bench_rollout, "
+            "accuracy_regression, train_toy_policy, make_models; bad = [m for m in ('torch', 'sglang', "
+            "'transformers', 'matplotlib') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     for s in ["bench_rollout.py", "accuracy_regression.py", "train_toy_policy.py", "gpu/make_models.py"]:
         r = subprocess.run([sys.executable, os.path.join(SCRIPTS, s), "--help"], capture_output=True, text=True,
@@ -460,7 +460,7 @@ def test_suite_stages_parse_with_bench_rollout(stage):
 
 def test_run_config_streams_log_and_enforces_timeout(tmp_path):
     log = tmp_path / "a.log"
-    code = "import sys; sys.stdout.write(%r)" % LOG
+    code = f"import sys; sys.stdout.write({LOG!r})"
     r = BR.run_config("x", [sys.executable, "-c", code], dict(os.environ), str(log), timeout_s=60)
     assert r["rc"] == 0 and not r["timed_out"]
     assert BR.parse_log(log.read_text())["kv_tokens"] == 335592
@@ -576,7 +576,8 @@ class _FakeEngine:
         outs = []
         for ids in input_ids:
             top_in = [None] + [self._top(self._dist(ids[j - 1]), top_logprobs_num) for j in range(1, len(ids))]
-            tok_in = [(None, ids[0], None)] + [(self._dist(ids[j - 1])[ids[j]], ids[j], None) for j in range(1, len(ids))]
+            tok_in = [(None, ids[0], None)] + [(self._dist(ids[j - 1])[ids[j]], ids[j], None)
+                                               for j in range(1, len(ids))]
             out, last, top_out, tok_out = [], ids[-1], [], []
             for _ in range(sampling_params["max_new_tokens"]):
                 d = self._dist(last)
@@ -617,7 +618,7 @@ def test_accuracy_regression_main_with_fake_engine(tmp_path, monkeypatch):
     assert "[fp8rl] fake scheme line" in (out / "engine_fp8.log").read_text()
     assert [e.kw.get("quantization") for e in _FakeEngine.instances[-2:]] == [None, "fp8_online_blockwise"]
     kw = _FakeEngine.instances[-1].kw
-    assert kw["attention_backend"] == "triton" and kw["sampling_backend"] == "pytorch" and kw["grammar_backend"] == "none"
+    assert (kw["attention_backend"], kw["sampling_backend"], kw["grammar_backend"]) == ("triton", "pytorch", "none")
     assert kw["mem_fraction_static"] == 0.3 and kw["disable_radix_cache"] and kw["cuda_graph_bs_decode"] == [4]
     assert "KL(BF16‖FP8) continuation positions" in (out / "summary.md").read_text()
 

@@ -74,9 +74,9 @@ def run_here(function: str, *args: str, env: dict | None = None, timeout: int = 
 def slime_namespace(sglang_ns: argparse.Namespace, hf_checkpoint: str) -> argparse.Namespace:
     """slime's parsed args: its ``--sglang-*`` namespace plus the slime/Megatron args its engine launch reads."""
     args = argparse.Namespace(**vars(sglang_ns))
-    args.__dict__.update(hf_checkpoint=hf_checkpoint, rollout_num_gpus_per_engine=1, seed=1234, num_gpus_per_node=1, colocate=True,
-                         debug_rollout_only=False, actor_num_gpus_per_node=1, actor_num_nodes=1, offload_rollout=False,
-                         use_rollout_routing_replay=False, fp16=False, rollout_external=False)
+    args.__dict__.update(hf_checkpoint=hf_checkpoint, rollout_num_gpus_per_engine=1, seed=1234, num_gpus_per_node=1,
+                         colocate=True, debug_rollout_only=False, actor_num_gpus_per_node=1, actor_num_nodes=1,
+                         offload_rollout=False, use_rollout_routing_replay=False, fp16=False, rollout_external=False)
     return args
 
 
@@ -145,7 +145,8 @@ def launch_checks(model_dir: str, work: str) -> None:
     # 3. the launcher: python -m sglang_fp8rl.integrations.slime train.py ARGS (a train.py that parses as slime's)
     script = os.path.join(work, "train.py")
     with open(script, "w") as f:
-        f.write(f"import json, sys\nsys.path.insert(0, {HERE!r})\nfrom trainers.slime_vendored import sglang_parse_args\n"
+        f.write(f"import json, sys\nsys.path.insert(0, {HERE!r})\n"
+                "from trainers.slime_vendored import sglang_parse_args\n"
                 "args = sglang_parse_args()\njson.dump({'quantization': args.sglang_quantization, 'name': __name__, "
                 f"'argv': sys.argv, 'path0': sys.path[1]}}, open({os.path.join(work, 'train_out.json')!r}, 'w'))\n")
     integration.main([script, *argv[1:]])
@@ -345,7 +346,8 @@ def scenario_slime_miles(runner, extra: dict) -> dict:
     # os._exit after the last broadcast: gloo's destructors can abort a process at exit (tests/dist_trainer.py)
     code = (f"import os, sys; sys.path[:0] = [{HERE!r}]; import test_slime_integration as t; "
             f"t.distributed_trainer({work!r}, {str(port)!r}); sys.stdout.flush(); os._exit(0)")
-    trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, cwd=REPO)
     ok, message = updater.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "gloo")
     assert ok, message
     out["dist_bodies"], out["dist_answers"], out["dist_params_after"] = [], [], []

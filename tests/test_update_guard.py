@@ -246,7 +246,8 @@ def test_calibrated_kv_write_saturates_instead_of_overflowing(monkeypatch):
 
 
 def test_calibrated_kv_write_path_choice(monkeypatch):
-    """The one-launch K/V write (kernels/kv_store.py, the default --fp8rl-kv-write fused) is taken where it is exact and where SGLang's own write would be a plain NHD store; otherwise the reason says why."""
+    """The one-launch K/V write (kernels/kv_store.py, the default --fp8rl-kv-write fused) is taken where it is exact
+    and where SGLang's own write would be a plain NHD store; otherwise the reason says why."""
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 

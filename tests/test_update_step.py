@@ -61,15 +61,62 @@ def test_an_explicit_flush_ends_only_an_open_written_step_outside_a_session():
     assert not held.ends_on_flush  # a half waits for its partner
 
 
-def test_an_atomic_step_refused_after_a_write_breaks_once():
+def test_an_atomic_step_refused_after_a_write_marks_everything_it_wrote_at_every_refusal():
+    """Issue 34 item 1: a second refusal must not hide the first; writes after the break are dirty too."""
     step = UpdateStep()
-    step.validated()
-    step.validated()
+    step.validated(["a", "b", "c"])
     assert step.refused("bucket 1 refused") == ()  # nothing written yet: nothing to mark
     step.applied(["a", "b"])
     assert step.refused("bucket 2 refused") == ("a", "b")
-    assert step.refused("bucket 3 refused") == ()  # reported once
+    assert step.refused("bucket 3 refused") == ("a", "b")  # cumulative, not once
     assert step.broken == "bucket 2 refused"
+    assert step.applied(["c"]) == ("c",)  # written after the break: dirty at once
+    commit = step.end(LAYERS, marker=True)
+    assert commit.clean == () and commit.dirty == ("a", "b", "c") and "bucket 2 refused" in commit.incomplete
+
+
+def test_the_next_all_or_nothing_push_abandons_a_broken_step():
+    """A validate-only request after the apply round began opens a new step; the old one's writes stay dirty, and
+    the new step clears them only when it completes."""
+    step = UpdateStep()
+    step.validated(["a", "b"])
+    step.applied(["a"])
+    step.refused("b refused")
+    assert step.starts_new_step(validate_only=True) and not step.starts_new_step(validate_only=False)
+    abandoned = step.validated(["a", "b"])
+    assert abandoned is not None and abandoned.abandoned and abandoned.dirty == ("a",) and abandoned.clean == ()
+    assert step.validated(["a", "b"]) is None  # the same validation round
+    assert step.applied(["a"]) == () and step.refused("b refused again") == ("a",)  # broken again: marked again
+    assert step.validated(["a", "b"]).dirty == ("a",)
+    step.applied(["a"])
+    step.applied(["b"])
+    commit = step.end(LAYERS, marker=True)
+    assert commit.clean == ("a", "b") and commit.dirty == () and commit.incomplete == ""
+
+
+def test_an_atomic_step_that_did_not_write_its_validated_names_is_incomplete():
+    """A trainer that died in the apply round (its session closed by the next trainer): written names stay dirty."""
+    step = UpdateStep()
+    step.begin(session=True)
+    step.validated(["a", "b", "c"])
+    step.applied(["a"])
+    commit = step.end(LAYERS)
+    assert commit.dirty == ("a",) and commit.clean == () and "2 of the 3 tensors" in commit.incomplete
+
+
+def test_a_sessions_begin_abandons_an_open_step_and_drops_its_halves():
+    step = UpdateStep()
+    step.applied([], pairing=step.pairing([(W, _codes())]))
+    abandoned = step.begin(session=True)
+    assert abandoned.unpaired == (W,) and abandoned.dirty == ()  # nothing else was written: old weights everywhere
+    assert step.session and step.open and step.held == {}
+
+
+def test_a_plain_step_clears_nothing_at_its_end_and_marks_a_dropped_halfs_weight():
+    step = UpdateStep()
+    step.applied(["model.norm.weight"], pairing=step.pairing([(W, _codes())]))
+    commit = step.abandon()
+    assert commit.clean == () and commit.dirty == (W,) and commit.unpaired == (W,)
 
 
 def test_a_non_atomic_step_refusal_leaves_written_requests_alone():
@@ -84,7 +131,8 @@ def test_queries_do_not_change_state():
     before = step.describe()
     assert step.describe() == before and step.open
     assert before == {"steps_ended": 0, "phase": "open", "session": False, "atomic": False, "requests": 1,
-                      "written": 1, "broken": "", "trainer_kv_layers": 1, "held_halves": [], "held_bytes": 0}
+                      "written": 1, "validated": 0, "broken": "", "trainer_kv_layers": 1, "held_halves": [],
+                      "held_bytes": 0}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -156,3 +204,25 @@ def test_a_session_end_with_a_half_held_reports_it_unpaired_and_drops_it():
     assert commit.unpaired == (W + "_scale_inv",) and commit.unpaired_weights == (W,)
     assert commit.unpaired_message() == f"{W}_scale_inv without {W}"
     assert step.held == {}
+
+
+def test_a_later_tensor_of_the_same_weight_supersedes_a_held_half():
+    """Issue 34 item 2: BF16, a whole pair or the same half again replaces the held half (never paired with it)."""
+    for later in ([(W, torch.zeros(256, 256, dtype=torch.bfloat16))],
+                  [(W, _codes()), (W + "_scale_inv", _scale())],
+                  [(W, _codes())]):
+        step = UpdateStep()
+        step.applied([], pairing=step.pairing([(W, _codes())]))
+        pairing = step.pairing(later, ends_step=len(later) > 1 or later[0][1].dtype == torch.bfloat16)
+        assert pairing.superseded == (W,) and pairing.taken == ()
+        step.applied([W], pairing=pairing)
+        assert list(step.held) == ([W] if pairing.hold else [])
+
+
+def test_a_new_all_or_nothing_push_sees_no_half_of_the_step_it_abandons():
+    step = UpdateStep()
+    step.applied([], pairing=step.pairing([(W + "_scale_inv", _scale())]))
+    fresh = step.pairing([(W, _codes()), (W + "_scale_inv", _scale())], validate_only=True)
+    assert fresh.taken == () and fresh.hold == {}
+    abandoned = step.validated([W])
+    assert abandoned.unpaired == (W + "_scale_inv",) and step.held == {}

@@ -77,7 +77,8 @@ def test_buffering_model_falls_back_to_exact_per_tensor_dry_runs():
 def test_error_names_the_right_tensor_even_when_buffered():
     model = TinyModel(buffering=True)
     bad = [good()[0], ("b", torch.randn(6, dtype=torch.bfloat16))]
-    with pytest.raises(U.UpdateRejected, match=r"^b: not accepted by TinyModel\.load_weights: ValueError: dimension 0 is 6"):
+    with pytest.raises(U.UpdateRejected,
+                       match=r"^b: not accepted by TinyModel\.load_weights: ValueError: dimension 0 is 6"):
         R.validate_request(model, model.load_weights, bad)
 
 

@@ -76,7 +76,8 @@ def test_partial_update_changes_exactly_its_rows(models):
             assert torch.equal(as_bytes(after[param]), as_bytes(before[param])), param
     changed_rows = (after[qkv].view(torch.uint8) != before[qkv].view(torch.uint8)).any(dim=1).nonzero().flatten()
     assert changed_rows.min() >= 256 and changed_rows.max() < 384 and len(changed_rows) > 100
-    assert torch.equal(after[qkv][256:384].view(torch.uint8), models["cold_w1"]["params"][qkv][256:384].view(torch.uint8))
+    assert torch.equal(after[qkv][256:384].view(torch.uint8),
+                       models["cold_w1"]["params"][qkv][256:384].view(torch.uint8))
     assert torch.equal(after[scale][[0, 1, 3]], before[scale][[0, 1, 3]])
     assert torch.equal(after[scale][2], models["cold_w1"]["params"][scale][2])
     assert out["ptrs_before"] == out["ptrs_after"]
@@ -123,8 +124,10 @@ def bad_requests(models) -> list[tuple[str, dict, str]]:
         ("fp8 without scale", {"tensors": [good, (k, w1[k].to(torch.float8_e4m3fn)), MARKER]},
          "k_proj.weight without model.layers.0.self_attn.k_proj.weight_scale_inv"),
         ("nan", {"tensors": [good, (k, nan)]}, "contains NaN/Inf in BF16 (first at index [5, 7])"),
-        ("inf in a bf16 param", {"tensors": [good, ("model.norm.weight", inf)]}, "contains NaN/Inf in BF16 (first at index [3])"),
-        ("fp32 overflowing bf16", {"tensors": [good, (k, overflow)]}, "contains NaN/Inf in BF16 (first at index [1, 2])"),
+        ("inf in a bf16 param", {"tensors": [good, ("model.norm.weight", inf)]},
+         "contains NaN/Inf in BF16 (first at index [3])"),
+        ("fp32 overflowing bf16", {"tensors": [good, (k, overflow)]},
+         "contains NaN/Inf in BF16 (first at index [1, 2])"),
         ("duplicate", {"tensors": [good, good]}, "appears more than once"),
         ("fused name", {"tensors": [good, ("model.layers.0.self_attn.qkv_proj.weight",
                                            torch.cat([w1[good[0]], w1[k], w1[k]]))]}, "not accepted"),
@@ -231,10 +234,12 @@ def test_generation_refused_while_inconsistent(monkeypatch):
     handle(sched, Recv("ok-1"))
     assert sched.waiting_queue[-1].abort_message is None
 
-    monkeypatch.setattr(update, "_STATE", update.EngineState(dirty={"x.weight"}, inconsistent_reason="update #7 failed"))
+    monkeypatch.setattr(update, "_STATE",
+                        update.EngineState(dirty={"x.weight"}, inconsistent_reason="update #7 failed"))
     handle(sched, Recv("r-2"))
     aborted = sched.waiting_queue[-1]
-    assert aborted.rid == "r-2" and "refusing to serve" in aborted.abort_message and "update #7" in aborted.abort_message
+    assert aborted.rid == "r-2"
+    assert "refusing to serve" in aborted.abort_message and "update #7" in aborted.abort_message
     queued = len(sched.waiting_queue)
     handle(sched, Recv("HEALTH_CHECK_abc"))
     assert len(sched.waiting_queue) == queued
@@ -260,7 +265,8 @@ def test_bf16_engine_answers_the_clients_step_protocol(models, tmp_path):
     for later in out["params_after"][1:3]:
         assert_same_params(later, first)
     norm = "model.layers.0.input_layernorm.weight"
-    assert torch.equal(out["final_params"][norm], models["w1"][norm]) and not torch.equal(first[norm], models["w1"][norm])
+    assert torch.equal(out["final_params"][norm], models["w1"][norm])
+    assert not torch.equal(first[norm], models["w1"][norm])
 
 
 def test_two_names_for_one_parameter_are_refused(tmp_path):

@@ -129,13 +129,15 @@ def table(checks: Sequence[Check]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def write_report(out_dir: str, report: dict, checks: Sequence[Check]) -> dict:
-    """OUT/check_server.json (report + checks + totals) and OUT/summary.md (the table); returns the JSON dict."""
+def write_report(out_dir: str, report: dict, checks: Sequence[Check], json_name: str = "check_server.json",
+                 title: Optional[str] = None) -> dict:
+    """OUT/<json_name> (report + checks + totals) and OUT/summary.md (``title`` and the table); returns the JSON dict.
+    The title defaults to check_server.py's."""
     full = dict(report, checks=[c.as_dict() for c in checks], passed=sum(c.ok for c in checks), total=len(checks))
-    with open(os.path.join(out_dir, "check_server.json"), "w") as f:
+    with open(os.path.join(out_dir, json_name), "w") as f:
         json.dump(full, f, indent=1, default=str)
-    head = (f"## server check: {report.get('model_name')} at TP {report.get('tp_size')} "
-            f"({report.get('device', '?')}, {report.get('date', '?')})\n\n")
+    head = (title or f"## server check: {report.get('model_name')} at TP {report.get('tp_size')}") + \
+        f" ({report.get('device', '?')}, {report.get('date', '?')})\n\n"
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(head + table(checks))
     return full

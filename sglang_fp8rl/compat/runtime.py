@@ -65,6 +65,46 @@ def prefill_request(rid: str, ids: Sequence[int], max_new_tokens: int) -> Any:
     return req
 
 
+def extend_forward_batch(reqs: Sequence[Any], model_runner: Any) -> Any:
+    """The ``ForwardBatch`` of one prefill of ``reqs`` over the runner's live pools, built as one_batch's ``extend``
+    builds it before its forward: the release's own stand-in prefix cache, ``ScheduleBatch.init_new`` and
+    ``prepare_for_extend`` (which take the request and KV slots), then ``ForwardBatch.init_new``. The page size is
+    ``get_schedule().page_size`` from 0.5.21, ``server_args.page_size`` before; ``ForwardBatch.init_new`` takes
+    ``get_model_worker_batch()`` in 0.5.12 and the ScheduleBatch itself from 0.5.15 (its prefill input ids moved to
+    the device first), with ``return_hidden_states_before_norm`` required from 0.5.17. one_batch's MLP-sync step is
+    left out: it is a TP collective only under DP attention, which the callers refuse."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    module = one_batch()
+    schedule = getattr(module, "get_schedule", None)
+    page_size = schedule().page_size if schedule is not None else model_runner.server_args.page_size
+    tree_cache = module.TreeCacheNamespace(page_size=page_size, device=model_runner.device,
+                                           token_to_kv_pool_allocator=model_runner.token_to_kv_pool_allocator)
+    batch = ScheduleBatch.init_new(reqs=list(reqs), req_to_token_pool=model_runner.req_to_token_pool,
+                                   token_to_kv_pool_allocator=model_runner.token_to_kv_pool_allocator,
+                                   tree_cache=tree_cache, model_config=model_runner.model_config,
+                                   enable_overlap=False, spec_algorithm=SpeculativeAlgorithm.NONE)
+    batch.prepare_for_extend()
+    if hasattr(batch, "get_model_worker_batch"):  # 0.5.12
+        return ForwardBatch.init_new(batch.get_model_worker_batch(), model_runner)
+    if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
+        batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
+        batch.prefill_input_ids_cpu = None
+    return ForwardBatch.init_new(batch, model_runner, **_forward_batch_options())
+
+
+@functools.cache
+def _forward_batch_options() -> dict[str, Any]:
+    import inspect
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    parameters = inspect.signature(ForwardBatch.init_new).parameters
+    return {"return_hidden_states_before_norm": False} if "return_hidden_states_before_norm" in parameters else {}
+
+
 def req_pool_index(req: Any) -> Any:
     """The request's row of ``req_to_token``: ``req.req_pool_idx`` up to 0.5.20, ``req.kv.req_pool_idx`` after
     (where ``req.kv`` holds the request's KV registers)."""

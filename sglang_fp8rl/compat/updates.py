@@ -106,6 +106,14 @@ def scheduler_update_owner() -> type:
     return SchedulerWeightUpdaterManager
 
 
+def memory_occupation_owner() -> type:
+    """The scheduler-side class whose ``release_memory_occupation`` / ``resume_memory_occupation`` pause and resume
+    SGLang's memory-saver regions and keep the released tags in ``offload_tags``: ``SchedulerWeightUpdaterManager``
+    from 0.5.15, the ``Scheduler`` itself (``SchedulerUpdateWeightsMixin``) before; the same owner as the update
+    answers (:func:`scheduler_update_owner`)."""
+    return scheduler_update_owner()
+
+
 def decode_own_rank(payloads: Any, tp_rank: int) -> Any:
     """This rank's entry of a per-rank serialized payload, decoded as SGLang decodes it (torch's reductions patched
     first, so CUDA IPC handles resolve by device UUID). Up to 0.5.15 ``TpModelWorker`` did this inline."""

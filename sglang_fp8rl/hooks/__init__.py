@@ -3,11 +3,15 @@
 One module per patched SGLang component:
 
 * :mod:`.server_args`: our options on SGLang's parser, unsupported setups refused at start;
+* :mod:`.model_config`: a checkpoint quantized on disk, or an injected quantization_config of another scheme, refused
+  at start;
 * :mod:`.model_runner`: after load, guard the model's updates and prepare its GEMMs;
 * :mod:`.weight_updater`: every update entry point; :mod:`.distributed`: the trainer's broadcast;
 * :mod:`.kv_cache`: FP8 KV-cache scales set up, made graph-safe, calibrated at load and after complete updates;
 * :mod:`.sessions`: SGLang's weight-update sessions (0.5.21+) as the step's begin and end, and an explicit cache
   flush as the end of a step without a session (verl's);
+* :mod:`.memory`: SGLang's release and resume of GPU memory (``--enable-memory-saver``, verl's colocated mode):
+  updates refused while the weights are released, weights resumed without a CPU backup marked inconsistent;
 * :mod:`.scheduler`: telemetry, and refusal to serve while inconsistent;
 * :mod:`.tokenizer`: ``/health`` while inconsistent;
 * :mod:`.sglang_logs`: SGLang's "not fully optimized" warning, untrue for this method, filtered.
@@ -21,7 +25,17 @@ import logging
 from typing import Callable
 
 from sglang_fp8rl.compat import runtime, updates
-from sglang_fp8rl.hooks import distributed, kv_cache, model_runner, scheduler, sessions, tokenizer, weight_updater
+from sglang_fp8rl.hooks import (
+    distributed,
+    kv_cache,
+    memory,
+    model_config,
+    model_runner,
+    scheduler,
+    sessions,
+    tokenizer,
+    weight_updater,
+)
 from sglang_fp8rl.hooks.patching import patch
 from sglang_fp8rl.hooks.server_args import install_server_args_hooks
 from sglang_fp8rl.hooks.sglang_logs import install_log_filter
@@ -47,11 +61,13 @@ def update_entry_points() -> dict[str, Callable]:
 
 def install_hooks() -> None:
     """Install all engine patches (idempotent)."""
+    from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     install_server_args_hooks()
     install_log_filter()
+    patch(ModelConfig, "_verify_quantization", model_config.wrap_verify_quantization)
     patch(ModelRunner, "load_model", model_runner.wrap_load_model)
     patch(ModelRunner, runtime.attention_backend_init(), kv_cache.wrap_init_attention_backends)
     patch(ModelRunner, runtime.graph_capture_init(), kv_cache.wrap_init_cuda_graphs)
@@ -76,6 +92,8 @@ def install_hooks() -> None:
         patch(updates.scheduler_update_owner(), "begin_weight_update", sessions.wrap_begin)
         patch(updates.scheduler_update_owner(), "end_weight_update", sessions.wrap_end)
     patch(*updates.flush_request_handler(), sessions.wrap_flush_request)
+    patch(updates.memory_occupation_owner(), "release_memory_occupation", memory.wrap_release)
+    patch(updates.memory_occupation_owner(), "resume_memory_occupation", memory.wrap_resume)
     if updates.flush_after_update_asserts():
         patch(updates.scheduler_update_owner(), "flush_cache_after_weight_update", kv_cache.wrap_flush_after_update)
     patch(Scheduler, "on_idle", kv_cache.wrap_on_idle)

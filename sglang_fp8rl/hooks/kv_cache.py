@@ -3,17 +3,19 @@ capture, calibrated after capture, and recalibrated after every complete weight 
 
 * ``ModelRunner.load_model`` (via :mod:`.model_runner`): resolve the mode, choose the calibration batch.
 * ``ModelRunner.init_attention_backends``: on a backend where recalibration was verified (FlashAttention-3, Triton,
-  FlashInfer; torch-native on CPU), scale tensors on every attention layer, and the decode fold (kv_scales/decode_fold.py)
-  where the backend passes Python-float scales to its decode kernels, before any graph is captured. Elsewhere
-  ``auto`` falls back to static scales and an explicit ``calibrate`` is refused at start. The scales in force then
-  are the ones every calibration runs under.
-* ``ModelRunner.init_cuda_graphs``: the load-time calibration (the pools are still empty).
+  FlashInfer; torch-native on CPU), scale tensors on every attention layer, and the decode fold
+  (kv_scales/decode_fold.py) where the backend passes Python-float scales to its decode kernels, before any graph is
+  captured. Elsewhere ``auto`` falls back to static scales and an explicit ``calibrate`` is refused at start. The
+  scales in force then are the ones every calibration runs under.
+* ``ModelRunner.init_cuda_graphs``: the load-time calibration (the pools are still empty); if it fails on any TP
+  rank, the start fails on every rank.
 * ``MHATokenToKVPool.set_kv_buffer``: K/V saturated at +-448 after the division by their scales (an overflowing E4M3
   cast gives NaN on CUDA); with ``--fp8rl-kv-write fused`` (the default), on CUDA, one kernel per layer does the
   division, clamp, cast and store.
 * ``SchedulerWeightUpdaterManager.update_weights_from_*``: after SGLang answered and flushed, if the update completed a
-  step, the TP ranks agree that each is idle with enough free KV slots, then recalibrate together; otherwise the
-  previous scales stay and the skip is counted (``deferred`` in the telemetry).
+  step, the TP ranks agree that each is idle with enough free KV slots, then recalibrate together, agreeing again
+  after every stage; otherwise, or if any stage failed on any rank, every rank keeps its previous scales and the skip
+  is counted (``deferred`` in the telemetry).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from sglang_fp8rl.kv_scales import resolve_kv_scale_mode
 from sglang_fp8rl.kv_scales.calibrate import recalibrate
 from sglang_fp8rl.kv_scales.decode_fold import decode_backend, install_decode_fold, unverified_reason
 from sglang_fp8rl.kv_scales.engine import batch_within, calibration_batch, kv_state, mark_calibrated, set_up
+from sglang_fp8rl.kv_scales.forward import TPStages
 from sglang_fp8rl.kv_scales.layers import attach_scales, read_scales
 from sglang_fp8rl.kv_scales.numerics import saturating_scale_
 from sglang_fp8rl.server_args import get_options
 from sglang_fp8rl.weight_sync.consensus import Verdict, agree
-from sglang_fp8rl.weight_sync.update import engine_state, is_attached
+from sglang_fp8rl.weight_sync.update import EVERYTHING, engine_state, is_attached
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +68,19 @@ def tp_device_group() -> Optional[Any]:
 
 
 def calibrate_now(runner: Any) -> None:
-    """Measure and write the KV scales (every TP rank together; the batch fits the free KV slots)."""
+    """Measure and write the KV scales (every TP rank together; the batch fits the free KV slots). A failure on any
+    rank raises on every rank, each with its previous scales in force (kv_scales/forward.TPStages)."""
     state = kv_state()
-    ids = batch_within(state.token_ids, runner.token_to_kv_pool_allocator.available_size(),
+    group = tp_device_group()
+    ids = TPStages(tp=group is not None).run("while fitting the batch to the free KV slots", _fitted_batch, runner)
+    recalibrate(runner, ids, state.policy, group, under=state.calibrated_under or None)
+
+
+def _fitted_batch(runner: Any) -> list[list[int]]:
+    ids = batch_within(kv_state().token_ids, runner.token_to_kv_pool_allocator.available_size(),
                        runner.req_to_token_pool.available_size())
     ready_for_forward(runner)
-    recalibrate(runner, ids, state.policy, tp_device_group(), under=state.calibrated_under or None)
+    return ids
 
 
 def unsupported_setup(args: Any) -> Optional[str]:
@@ -140,25 +150,40 @@ def ready_to_calibrate(manager: Any, runner: Any) -> Verdict:
 def recalibrate_if_due(manager: Any) -> None:
     """Recalibrate when a step that needs new scales ended and every rank is ready (idle, cache flushed, enough free
     KV slots). Otherwise the previous scales stay and the recalibration stays due: it is retried after the next
-    update answer and whenever the scheduler is idle (:func:`wrap_on_idle`). Never raises: this runs in SGLang's
-    scheduler loop."""
+    update answer and whenever the scheduler is idle (:func:`wrap_on_idle`). It also waits while SGLang's memory
+    saver holds any GPU memory released, or the weights were resumed without their bytes (hooks/memory.py): the
+    calibration forward reads every weight and writes the KV pool (every rank knows both alike). Never raises: this
+    runs in SGLang's scheduler loop."""
     state = kv_state()
-    if not (state.calibrating and state.due):
-        return
-    runner = manager.tp_worker.model_runner
-    verdict = agree(ready_to_calibrate(manager, runner))
-    if not verdict.ok:
-        state.deferred += 1
-        logger.warning("[fp8rl] KV scales not recalibrated yet (%s); the previous scales stay until the engine is "
-                       "idle", verdict.message)
+    if not (state.calibrating and state.due) or engine_state().released or EVERYTHING in engine_state().dirty:
         return
     try:
-        calibrate_now(runner)
+        calibrated = _recalibrate_when_ready(manager)
     except Exception as e:  # noqa: BLE001 - the boundary to SGLang's scheduler: nothing may escape
         state.deferred += 1
         logger.warning("[fp8rl] KV recalibration failed, the previous scales stay: %s: %s", type(e).__name__, e)
         return
-    mark_calibrated()
+    if calibrated:
+        mark_calibrated()
+
+
+def _recalibrate_when_ready(manager: Any) -> bool:
+    """Recalibrate if every rank is ready; False (the skip counted and logged) if one is not. Every rank makes the
+    same agreements whatever fails where: a rank that failed its readiness check still answers the others."""
+    state = kv_state()
+    runner = manager.tp_worker.model_runner
+    try:
+        local = ready_to_calibrate(manager, runner)
+    except Exception as e:  # noqa: BLE001 - a rank-local failure must still reach the agreement below
+        local = Verdict(False, f"checking that the engine is idle failed: {type(e).__name__}: {e}")
+    verdict = agree(local)
+    if not verdict.ok:
+        state.deferred += 1
+        logger.warning("[fp8rl] KV scales not recalibrated yet (%s); the previous scales stay until the engine is "
+                       "idle", verdict.message)
+        return False
+    calibrate_now(runner)
+    return True
 
 
 def fused_write_reason(pool: Any, layer_index: int, k: Any, v: Any, k_scale: Any, v_scale: Any, loc: Any,

@@ -2,21 +2,26 @@
 
 While an update failed after writing started (the weights are a mix of two policies), every generation request is
 finished with an error and health-check requests get no answer (so ``/health`` and ``/health_generate`` report 503)
-until a complete update succeeds.
+until a complete update succeeds. While SGLang's memory saver holds GPU memory released (hooks/memory.py), a generation
+request is taken out of the queue and answered as aborted before it runs, and health checks get no answer.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
+from sglang_fp8rl.hooks.memory import released_message
 from sglang_fp8rl.kv_scales.calibrate import kv_scale_record
 from sglang_fp8rl.kv_scales.engine import describe, kv_state
 from sglang_fp8rl.layers.config import scheme_report
 from sglang_fp8rl.weight_sync.step import current_step
-from sglang_fp8rl.weight_sync.update import engine_state, is_attached, last_update_stats
+from sglang_fp8rl.weight_sync.update import EVERYTHING, engine_state, is_attached, last_update_stats
+
+logger = logging.getLogger(__name__)
 
 
 def telemetry(model: Optional[torch.nn.Module]) -> dict[str, Any]:
@@ -29,6 +34,9 @@ def telemetry(model: Optional[torch.nn.Module]) -> dict[str, Any]:
         "updates": state.updates,
         "consistent": state.consistent,
         "inconsistent_reason": state.inconsistent_reason,
+        "released": sorted(state.released),  # SGLang's memory-saver tags released now (hooks/memory.py)
+        # weights resumed without their bytes (or a failure of unknown extent): what no write has reached since
+        "not_rewritten": state.unwritten_summary() if EVERYTHING in state.dirty else "",
         "last_update": last_update_stats(),
         "schemes": report.as_dict() if report is not None else None,
         "kv_scales": describe(kv_state(), kv_scale_record().as_dict()),
@@ -74,15 +82,29 @@ def request_queues(scheduler: Any) -> list[list]:
     return [scheduler.waiting_queue] + ([grammar_queue] if grammar_queue is not None else [])
 
 
+def drop_queued_request(scheduler: Any, rid: str) -> None:
+    """Take a just-queued request out of the queue and answer it as aborted, without running it: SGLang's
+    ``abort_request`` for a waiting request (an aborted request that stays queued still runs a one-token prefill,
+    which would read released weights and write a released KV pool)."""
+    from sglang.srt.managers.io_struct import AbortReq
+
+    logger.warning("%s (request %s aborted)", released_message(), rid)
+    scheduler.abort_request(AbortReq(rid=rid))
+
+
 def wrap_generate(original: Callable) -> Callable:
-    """Scheduler.handle_generate_request, refusing while the engine is inconsistent."""
+    """Scheduler.handle_generate_request, refusing while the engine is inconsistent or its memory released."""
     def handle_generate_request(self, recv_req):
-        if engine_state().consistent:
+        state = engine_state()
+        if state.consistent and not state.released:
             return original(self, recv_req)
         if str(recv_req.rid).startswith(HEALTH_CHECK_RID_PREFIX):
             return None  # no answer: /health and /health_generate time out and report 503
         result = original(self, recv_req)
-        abort_queued_request(request_queues(self), recv_req.rid, refusal_message())
+        if state.released:
+            drop_queued_request(self, recv_req.rid)
+        else:
+            abort_queued_request(request_queues(self), recv_req.rid, refusal_message())
         return result
 
     return handle_generate_request

@@ -16,7 +16,8 @@ from typing import Any, Callable
 from sglang_fp8rl.compat import updates
 from sglang_fp8rl.hooks.kv_cache import recalibrate_if_due
 from sglang_fp8rl.weight_sync import guard
-from sglang_fp8rl.weight_sync.step import current_step, end_step
+from sglang_fp8rl.weight_sync.fp8_payload import without_partners
+from sglang_fp8rl.weight_sync.step import apply_commit, current_step, end_step
 from sglang_fp8rl.weight_sync.update import is_attached
 
 logger = logging.getLogger(__name__)
@@ -28,29 +29,57 @@ def served_model(manager: Any) -> Any:
 
 
 def wrap_begin(original: Callable) -> Callable:
-    """begin_weight_update: SGLang's, then our step opens (as a session: only the session's end ends it)."""
+    """begin_weight_update: SGLang's, then our step opens (as a session: only the session's end ends it); a step
+    still open (halves held, an apply round left half-way) is abandoned first, and the answer says what it left."""
     def begin_weight_update(self, recv_req):
         output = original(self, recv_req)
-        if getattr(output, "success", False) and is_attached(served_model(self)):
-            current_step().begin(session=True)
+        if getattr(output, "success", False):
+            _guarded("opening the weight-update step", lambda: _begin(self, output))
         return output
 
     return begin_weight_update
 
 
+def _begin(manager: Any, output: Any) -> None:
+    if not is_attached(served_model(manager)):
+        return
+    abandoned = apply_commit(current_step().begin(session=True))
+    answer = guard.end_answer(abandoned) if abandoned is not None else None
+    if answer is not None:
+        output.message = f"{getattr(output, 'message', '') or ''} (the previous step: {answer})".strip()
+
+
 def wrap_end(original: Callable) -> Callable:
-    """end_weight_update: SGLang's, then our step ends (its commit applied) and a due recalibration runs."""
+    """end_weight_update: SGLang's, then our step ends (its commit applied) and a due recalibration runs; a step that
+    did not complete is answered as refused, saying what it dropped and what is dirty."""
     def end_weight_update(self, recv_req):
         output = original(self, recv_req)
-        model = served_model(self)
-        if getattr(output, "success", False) and is_attached(model):
-            commit = end_step(model)
-            recalibrate_if_due(self)
-            if commit is not None and commit.unpaired:
-                output.success, output.message = False, guard.with_state(guard.unpaired_answer(commit))
+        if getattr(output, "success", False):
+            _guarded("ending the weight-update step", lambda: _end(self, output))
         return output
 
     return end_weight_update
+
+
+def _end(manager: Any, output: Any) -> None:
+    model = served_model(manager)
+    if not is_attached(model):
+        return
+    commit = end_step(model)
+    recalibrate_if_due(manager)
+    answer = guard.end_answer(commit) if commit is not None else None
+    if answer is not None:
+        output.success, output.message = False, guard.with_state(answer)
+    else:  # a clean end that left the engine inconsistent (an earlier step's tensors not yet rewritten) says so
+        output.message = guard.with_state(getattr(output, "message", "") or "")
+
+
+def _guarded(what: str, call: Callable[[], None]) -> None:
+    """Run our part of a session call; nothing may escape into SGLang's scheduler loop."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the boundary to SGLang's scheduler: nothing may escape
+        logger.exception("[fp8rl] %s failed: %s: %s", what, type(e).__name__, e)
 
 
 def end_step_on_flush(handler_owner: Any) -> None:
@@ -60,7 +89,13 @@ def end_step_on_flush(handler_owner: Any) -> None:
     try:
         manager = updates.scheduler_update_manager(updates.flush_handler_scheduler(handler_owner))
         model = served_model(manager)
-        if not (is_attached(model) and current_step().ends_on_flush):
+        if not is_attached(model):
+            return
+        step = current_step()
+        if step.held and not step.session:
+            logger.warning("[fp8rl] /flush_cache does not end the weight-update step: FP8 halves are still held for "
+                           "their partner (%s)", without_partners(sorted(step.held)))
+        if not step.ends_on_flush:
             return
         commit = end_step(model)
         logger.info("[fp8rl] step %d ended by /flush_cache (a weight sync without a step marker or session)",

@@ -32,6 +32,7 @@ from sglang_fp8rl.compat.updates import (
     unwrap_tensor,
     updater_model,
 )
+from sglang_fp8rl.hooks.memory import weights_released_error
 from sglang_fp8rl.weight_sync import guard
 from sglang_fp8rl.weight_sync.fp8_payload import (
     CONTROL_PREFIX,
@@ -40,6 +41,7 @@ from sglang_fp8rl.weight_sync.fp8_payload import (
     pair_stream,
     split_control,
 )
+from sglang_fp8rl.weight_sync.halves import check_held_halves
 from sglang_fp8rl.weight_sync.kv_updates import prepare_kv_scales, split_kv_scales, write_kv_scales
 from sglang_fp8rl.weight_sync.request import validate_request, validate_stream
 from sglang_fp8rl.weight_sync.step import current_step
@@ -66,8 +68,9 @@ class UndecodablePayload(list):
 
 
 def check_sglang_preconditions(updater: Any, op: str) -> None:
-    """SGLang's own refusals of online updates (weight cache, derived-weight caches), as rejections."""
-    error = derived_weight_cache_error(updater)
+    """SGLang's own refusals of online updates (weight cache, derived-weight caches), as rejections; and weights
+    released by SGLang's memory saver, which SGLang itself would write to (hooks/memory.py)."""
+    error = weights_released_error() or derived_weight_cache_error(updater)
     if error is not None:
         raise UpdateRejected(error)
     assert_weight_cache_inactive(updater, op)
@@ -81,6 +84,7 @@ def prepared_request(model: torch.nn.Module, named: NamedTensors, validate_only:
     step = current_step()
     ends_step = STEP_COMPLETE in control and not step.session  # in a session a marker is only noted: its end ends it
     pairing = step.pairing(weights, validate_only=validate_only, ends_step=ends_step)
+    check_held_halves(model, original_load_weights(model), pairing.hold)
     validated = validate_request(model, original_load_weights(model), attach_scales(pairing.named))
     return guard.Prepared(validated, tensors=len(weights), bytes=request_bytes(weights), validate_only=validate_only,
                           step_complete=STEP_COMPLETE in control, kv_scales=prepare_kv_scales(model, kv_entries),
@@ -220,7 +224,8 @@ def wrap_update_from_tensor(original: Callable) -> Callable:
                 refuse_fp8_for_stock(named)
             return prepared_request(model, named, validate_only=load_format == VALIDATE_ONLY)
 
-        return guard.run(model, f"tensor/{load_format or 'list'}", prepare, writer(model))
+        return guard.run(model, f"tensor/{load_format or 'list'}", prepare, writer(model),
+                         validate_only=load_format == VALIDATE_ONLY)
 
     return update_weights_from_tensor
 
@@ -328,6 +333,10 @@ def wrap_update_from_ipc(original: Callable) -> Callable:
         model = updater_model(self)
         if not is_attached(model):
             return original(self, recv_req)
-        return guard.run_unvalidated(model, "ipc", lambda: original(self, recv_req))
+        def call() -> tuple[bool, str]:
+            released = weights_released_error()
+            return (False, released) if released else original(self, recv_req)
+
+        return guard.run_unvalidated(model, "ipc", call)
 
     return update_weights_from_ipc

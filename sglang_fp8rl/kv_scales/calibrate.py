@@ -1,16 +1,18 @@
 """Recalibration on the engine: one prefill of a fixed token batch through SGLang's ModelRunner, K/V amax observed
 at the attention backend, per-layer scales written in place.
 
-The forward is SGLang's own benchmark path (``one_batch.extend``, :func:`sglang_fp8rl.compat.runtime.one_batch`: a
-``ScheduleBatch`` over the live pools with a stand-in prefix cache, ``ForwardBatch.init_new``, ``ModelRunner.forward``), the one the CPU tests and
-``bench_one_batch`` already drive. Its KV slots come from the live allocator and are given back afterwards, so the
-caller must hold the scheduler idle with the prefix cache flushed (after a weight update SGLang flushes it anyway):
-cached K/V written under the old scales would otherwise be read back under the new ones.
+The forward (:mod:`sglang_fp8rl.kv_scales.forward`) takes its KV slots from the live allocator and gives them back,
+so the caller must hold the scheduler idle with the prefix cache flushed (after a weight update SGLang flushes it
+anyway): cached K/V written under the old scales would otherwise be read back under the new ones. Under TP every
+stage of a recalibration, from reading the scales in force to writing the new ones, ends in an agreement of the ranks
+(:class:`~sglang_fp8rl.kv_scales.forward.TPStages`): a failure on any rank returns on every rank, each with the scales
+it served before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -20,11 +22,9 @@ from typing import Any, Optional
 
 import torch
 
-from sglang_fp8rl.compat.runtime import allocated_kv_len, one_batch, prefill_request, req_pool_index
+from sglang_fp8rl.kv_scales.forward import TPStages, measure_amax
 from sglang_fp8rl.kv_scales.layers import attention_layers, layer_labels, read_scales, write_scales
 from sglang_fp8rl.kv_scales.numerics import ScalePolicy, scales_from_amax
-from sglang_fp8rl.kv_scales.observer import KVAmaxObserver, observing
-from sglang_fp8rl.weight_sync.consensus import Verdict, agree
 
 logger = logging.getLogger(__name__)
 
@@ -86,67 +86,6 @@ def check_token_ids(token_ids: Sequence[Sequence[int]], vocab_size: int, max_tok
     if max_tokens is not None and total > max_tokens:
         raise ValueError(f"the KV calibration batch has {total} tokens, more than the {max_tokens} allowed")
     return total
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# the forward
-
-
-def _release(model_runner: Any, reqs: Sequence[Any]) -> None:
-    """Give the requests' KV slots and request slots back (only what the allocation actually handed out)."""
-    pool, allocator = model_runner.req_to_token_pool, model_runner.token_to_kv_pool_allocator
-    for req in reqs:
-        row = req_pool_index(req)
-        if row is None:
-            continue
-        allocated = allocated_kv_len(req)
-        if allocated:  # set by the allocation once the token slots are written
-            allocator.free(pool.req_to_token[row, :allocated])
-        pool.free(req)
-
-
-def calibration_forward(model_runner: Any, token_ids: Sequence[Sequence[int]]) -> None:
-    """One prefill of ``token_ids`` (one request each) through ``model_runner``; every slot is given back."""
-    needed = sum(len(seq) for seq in token_ids)
-    free = model_runner.token_to_kv_pool_allocator.available_size()
-    if needed > free:
-        raise RuntimeError(f"KV calibration needs {needed} free KV slots, {free} are free (flush the cache first)")
-    reqs = [prefill_request(rid=f"fp8rl-kv-calibration-{i}", ids=list(seq), max_new_tokens=1)
-            for i, seq in enumerate(token_ids)]
-    try:
-        one_batch().extend(reqs, model_runner)  # under torch.no_grad (one_batch.py:481)
-    finally:
-        _release(model_runner, reqs)
-
-
-def measure_amax(model_runner: Any, token_ids: Sequence[Sequence[int]],
-                 group: Optional[torch.distributed.ProcessGroup] = None) -> torch.Tensor:
-    """float64 ``[layers, 2]`` (K, V) amax of a calibration forward, in ``attention_layers`` order, on the CPU.
-
-    With ``group`` (the tensor-parallel group) the amax is the max over its ranks, so every rank derives the same
-    per-layer scales, as trainer-supplied scales are. The ranks first agree that every forward succeeded (SGLang's TP
-    CPU group, :func:`~sglang_fp8rl.weight_sync.consensus.agree`); if one failed, every rank raises RuntimeError
-    naming it, and none waits in the all-reduce."""
-    layers = attention_layers(model_runner.model)
-    observer = KVAmaxObserver()
-    table, error = None, None
-    # the forward's own TP collectives come first: a rank failing before them stalls the others there, as in any TP
-    # forward (the engine agrees on free slots before calling); the agreement below covers failures after them
-    try:
-        with observing(model_runner.attn_backend, observer):
-            calibration_forward(model_runner, token_ids)
-        table = observer.table([layer.layer_id for layer in layers])
-    except Exception as e:  # noqa: BLE001 - any rank-local failure (out of memory included) must reach every rank
-        if group is None:
-            raise
-        error = e
-    if group is None:
-        return table.to("cpu", torch.float64)
-    verdict = agree(Verdict(error is None, "" if error is None else f"{type(error).__name__}: {error}"))
-    if not verdict.ok:
-        raise RuntimeError(f"KV calibration forward failed: {verdict.message}") from error
-    torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX, group=group)
-    return table.to("cpu", torch.float64)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -216,15 +155,21 @@ def apply_scales(layers: Sequence[Any], scales: dict[int, tuple[float, float]], 
                  before: Optional[dict[int, tuple[float, float]]] = None, sequences: int = 0) -> Calibration:
     """Write ``scales`` in place (all or nothing), record and log the write; returns its record. ``before``: the
     scales that served until now (default: the layers' current ones), for the record of what changed."""
-    started = time.perf_counter() if started is None else started
+    calibration = _write(layers, scales, source=source, tokens=tokens, amax=amax, before=before, sequences=sequences,
+                         started=time.perf_counter() if started is None else started)
+    _RECORD.record(calibration)
+    return calibration
+
+
+def _write(layers: Sequence[Any], scales: dict[int, tuple[float, float]], *, source: str, started: float,
+           before: Optional[dict[int, tuple[float, float]]], tokens: int = 0, sequences: int = 0,
+           amax: Optional[dict[int, tuple[float, float]]] = None) -> Calibration:
     before = read_scales(layers) if before is None else before
     written = write_scales(layers, scales)
     changed = tuple(i for i, s in written.items() if before.get(i) != s)
-    calibration = Calibration(amax=amax or {}, scales=written, changed=changed, tokens=tokens,
-                              seconds=time.perf_counter() - started, finished_at=time.time(), source=source,
-                              sequences=sequences)
-    _RECORD.record(calibration)
-    return calibration
+    return Calibration(amax=amax or {}, scales=written, changed=changed, tokens=tokens,
+                       seconds=time.perf_counter() - started, finished_at=time.time(), source=source,
+                       sequences=sequences)
 
 
 def recalibrate(model_runner: Any, token_ids: Sequence[Sequence[int]], policy: ScalePolicy = ScalePolicy(),
@@ -235,24 +180,36 @@ def recalibrate(model_runner: Any, token_ids: Sequence[Sequence[int]], policy: S
     ``under``: scales written for the calibration forward only (the engine passes its start-up scales). A backend
     whose prefill attends to the FP8 cache (FlashInfer's paged prefill) measures later layers' K/V through the scales
     in force; under fixed ones the result depends on the weights alone, as a fresh server's calibration does.
-    Raises (``ValueError`` for non-finite K/V, ``RuntimeError`` for too few free KV slots, or with ``group`` for a
-    forward that failed on any rank, on every rank alike) without changing anything; the previous scales then stay
-    in force."""
+    Raises (``ValueError`` for non-finite K/V, ``RuntimeError`` for too few free KV slots; with ``group``,
+    :class:`~sglang_fp8rl.kv_scales.forward.CalibrationFailed` on every rank alike for a failure on any rank at any
+    stage) with the previous scales back in force; nothing is recorded then."""
     started = time.perf_counter()
-    layers = attention_layers(model_runner.model)
-    ids = [layer.layer_id for layer in layers]
-    in_force = read_scales(layers)
-    if under is not None:
-        write_scales(layers, under)
-    measured = False
+    stages = TPStages(tp=group is not None)
+    layers, in_force = stages.run("while reading the KV scales in force", _in_force, model_runner)
+    calibration = None
     try:
+        if under is not None:
+            stages.run("while writing the start-up scales it runs under", write_scales, layers, under)
         amax = measure_amax(model_runner, token_ids, group)
-        scales = scales_from_amax(amax, policy, layer_labels(layers))
-        measured = True
+        scales = stages.run("while deriving the scales", _scales, amax, policy, layers)
+        calibration = stages.run("while writing the scales", functools.partial(
+            _write, source="calibration", started=started, before=in_force, tokens=sum(map(len, token_ids)),
+            sequences=len(token_ids), amax=_by_layer(layers, amax)), layers, scales)
     finally:
-        if not measured:
+        if calibration is None:  # every rank gets here after the same stage: each puts back what it served
             write_scales(layers, in_force)
-    return apply_scales(layers, {i: tuple(row) for i, row in zip(ids, scales.tolist())}, source="calibration",
-                        tokens=sum(len(seq) for seq in token_ids), sequences=len(token_ids), started=started,
-                        before=in_force,
-                        amax={i: tuple(row) for i, row in zip(ids, amax.tolist())})
+    _RECORD.record(calibration)
+    return calibration
+
+
+def _in_force(model_runner: Any) -> tuple[list[Any], dict[int, tuple[float, float]]]:
+    layers = attention_layers(model_runner.model)
+    return layers, read_scales(layers)
+
+
+def _by_layer(layers: Sequence[Any], table: torch.Tensor) -> dict[int, tuple[float, float]]:
+    return {layer.layer_id: tuple(row) for layer, row in zip(layers, table.tolist(), strict=True)}
+
+
+def _scales(amax: torch.Tensor, policy: ScalePolicy, layers: Sequence[Any]) -> dict[int, tuple[float, float]]:
+    return _by_layer(layers, scales_from_amax(amax, policy, layer_labels(layers)))

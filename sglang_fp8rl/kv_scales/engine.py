@@ -140,4 +140,4 @@ def describe(state: KVScaleState, record: dict[str, Any]) -> dict[str, Any]:
     """Telemetry for /get_server_info."""
     return {"mode": state.mode, "write": "fused" if state.fused_write else "sglang", "batch": state.batch_source,
             "calibration_tokens": sum(map(len, state.token_ids)),
-            "deferred": state.deferred, **record}
+            "deferred": state.deferred, "due": state.due, **record}

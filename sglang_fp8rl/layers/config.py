@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import re
 from typing import Any, Optional
@@ -20,6 +19,11 @@ from sglang_fp8rl.compat.runtime import server_args as current_server_args
 from sglang_fp8rl.layers.ignored import ignored_layers_from, ignored_match
 from sglang_fp8rl.layers.linear import Fp8OnlineBlockwiseLinearMethod
 from sglang_fp8rl.layers.moe import Fp8OnlineBlockwiseMoEMethod
+from sglang_fp8rl.layers.quant_source import (
+    accept_injected_request,
+    is_rollout_fp8_request,
+    reject_quantized_checkpoint,
+)
 from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision
 from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE
 from sglang_fp8rl.server_args import QUANTIZATION_NAME, Fp8rlOptions, get_options
@@ -143,50 +147,6 @@ def trainer_ignored_reason(prefix: str, ignored_layers: tuple[str, ...], num_exp
     return None if hit is None else f"ignored layer {hit!r}"
 
 
-def reject_quantized_checkpoint(hf_quant_config: Any, why: str = "this checkpoint is already quantized") -> None:
-    """Raise a clear error: this method quantizes BF16/FP32 checkpoints, not already-quantized ones."""
-    method = hf_quant_config.get("quant_method", "?") if isinstance(hf_quant_config, dict) else "?"
-    raise ValueError(
-        f"--quantization {NAME} quantizes a BF16/FP32 checkpoint online, but {why} "
-        f"(quantization_config quant_method={method!r}). Serve it without --quantization to use its own "
-        f"scales, or point --model-path at the BF16 checkpoint."
-    )
-
-
-def is_rollout_fp8_request(hf_quant_config: Any) -> bool:
-    """A quantization_config that asks for exactly this method's scheme (what verl's FP8 rollout mode injects):
-    ``fp8``, dynamic activations, E4M3, blocks of :data:`DEFAULT_BLOCK_SIZE`."""
-    if not isinstance(hf_quant_config, dict):
-        return False
-    block = hf_quant_config.get("weight_block_size")
-    return (str(hf_quant_config.get("quant_method", "")).lower() == "fp8"
-            and hf_quant_config.get("activation_scheme", "dynamic") == "dynamic"
-            and hf_quant_config.get("fmt", "e4m3") == "e4m3"
-            and block is not None and tuple(block) == tuple(DEFAULT_BLOCK_SIZE))
-
-
-def injected_quantization_config(server_args: Optional[Any]) -> Optional[dict]:
-    """The quantization_config put in by ``--json-model-override-args`` (not read from the checkpoint), or None."""
-    text = getattr(server_args, "json_model_override_args", None) or "{}"
-    try:
-        overrides = json.loads(text) if isinstance(text, str) else dict(text)
-    except (TypeError, ValueError):
-        return None
-    config = overrides.get("quantization_config") if isinstance(overrides, dict) else None
-    return config if isinstance(config, dict) else None
-
-
-def accept_injected_request(hf_quant_config: dict) -> tuple[str, ...]:
-    """The trainer's ignored layers of an injected rollout-FP8 request; ValueError for a quantized checkpoint."""
-    injected = injected_quantization_config(current_server_args())
-    if injected is None:
-        reject_quantized_checkpoint(hf_quant_config)
-    if not is_rollout_fp8_request(injected):
-        reject_quantized_checkpoint(injected, "--json-model-override-args injects a quantization_config that is "
-                                              f"not dynamic E4M3 with blocks {list(DEFAULT_BLOCK_SIZE)}")
-    return ignored_layers_from(injected)
-
-
 class Fp8OnlineBlockwiseConfig(QuantizationConfig):
     """DeepSeek-style blockwise FP8 (128x128 weights, dynamic 1x128 activations) from a BF16/FP32 checkpoint."""
 
@@ -226,11 +186,13 @@ class Fp8OnlineBlockwiseConfig(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> Fp8OnlineBlockwiseConfig:
         # SGLang calls this only when the model config carries a quantization_config: served only when a trainer
         # injected it on a BF16 checkpoint (verl's FP8 rollout mode), refused when it came with the checkpoint
-        return cls(ignored_layers=accept_injected_request(config))
+        return cls(ignored_layers=accept_injected_request(config, current_server_args()))
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg: Any, user_quant: Optional[str]) -> Optional[str]:
-        # runs in every process that builds a ModelConfig; whether the config was injected is checked in from_config
+        # runs in every process that builds a ModelConfig, after hooks/model_config.py judged where the config came
+        # from (layers/quant_source.py); what reaches here unjudged (a standalone hf_quant_config.json) is the
+        # checkpoint's own
         if user_quant != NAME or not hf_quant_cfg:
             return None
         if not is_rollout_fp8_request(hf_quant_cfg):

@@ -82,6 +82,7 @@ class Pairing:
     named: list  # the request, with each held partner it completes added (ready for attach_scales)
     hold: dict  # name -> tensor: halves of this request whose partner has not arrived yet
     taken: tuple[str, ...] = ()  # held names this request completes
+    superseded: tuple[str, ...] = ()  # held names this request replaces (their weight again: BF16, a pair, a half)
 
 
 def weight_of(name: str) -> str:
@@ -103,11 +104,27 @@ def _is_half(name: Any, tensor: Any) -> bool:
     return _is_scale_name(name) or (isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE)
 
 
+def superseded_halves(named: Sequence[tuple[Any, Any]], held: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
+    """Held halves that a request replaces: it carries the same half again, or their weight as a BF16 tensor or as a
+    whole pair (the newer tensor of a parameter wins; the held half would otherwise pair with the wrong partner)."""
+    tensors = {name: tensor for name, tensor in named if isinstance(name, str)}
+    out = []
+    for name in held:
+        weight = weight_of(name)
+        bf16_weight = weight in tensors and not _is_half(weight, tensors[weight])
+        whole_pair = weight in tensors and weight + SCALE_SUFFIX in tensors
+        if name in tensors or bf16_weight or whole_pair:
+            out.append(name)
+    return tuple(sorted(out))
+
+
 def complete_pairs(named: Sequence[tuple[Any, Any]], held: Mapping[str, torch.Tensor]) -> Pairing:
     """Pair FP8 codes and scales across the requests of a step (verl's buckets split them): a half whose partner is
-    held joins it here; a half whose partner is neither here nor held is to be held. A scale whose weight came in
-    this request as BF16 is left for :func:`attach_scales` to refuse. Changes nothing."""
+    held joins it here; a half whose partner is neither here nor held is to be held; a held half the request
+    replaces is superseded. A scale whose weight came in this request as BF16 is left for :func:`attach_scales` to
+    refuse. Changes nothing."""
     names = {name for name, _ in named if isinstance(name, str)}
+    superseded = superseded_halves(named, held)
     out, hold, taken = list(named), {}, []
     for name, tensor in named:
         if not isinstance(name, str) or not _is_half(name, tensor):
@@ -115,12 +132,13 @@ def complete_pairs(named: Sequence[tuple[Any, Any]], held: Mapping[str, torch.Te
         partner = partner_name(name)
         if partner in names:
             continue
-        if partner in held:
+        if partner in held and partner not in superseded:
             out.append((partner, held[partner]))
             taken.append(partner)
         else:
             hold[name] = tensor
-    return Pairing([item for item in out if not (isinstance(item[0], str) and item[0] in hold)], hold, tuple(taken))
+    return Pairing([item for item in out if not (isinstance(item[0], str) and item[0] in hold)], hold, tuple(taken),
+                   superseded)
 
 
 def with_scale(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,9 @@ from typing import Callable, Optional
 import torch
 
 from sglang_fp8rl.weight_sync.consensus import Verdict, agree
-from sglang_fp8rl.weight_sync.fp8_payload import Pairing
+from sglang_fp8rl.weight_sync.fp8_payload import Pairing, without_partners
 from sglang_fp8rl.weight_sync.request import Validated
-from sglang_fp8rl.weight_sync.step import Commit, current_step, end_step
+from sglang_fp8rl.weight_sync.step import Commit, apply_commit, current_step, end_step, some_names
 from sglang_fp8rl.weight_sync.update import UpdateStats, engine_state, model_device, new_stats, peak_memory, record
 from sglang_fp8rl.weight_sync.validate import UpdateRejected
 
@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 # in every answer given while the engine is inconsistent (the HTTP process reads it: hooks/tokenizer.py)
 INCONSISTENT_MARK = "[fp8rl: engine inconsistent]"
 REJECTED = "[fp8rl] update rejected, nothing was written, previous weights kept: "
-REJECTED_HALVES = "[fp8rl] step ended with FP8 halves whose partner never came, not written: "
+HELD = "FP8 halves held for their partner: "
+INCOMPLETE = "[fp8rl] weight-update step ended incomplete: "
 VALIDATED = "[fp8rl] validated, nothing written (validate-only request)"
 PARTIAL = f"{INCONSISTENT_MARK} the engine holds a mix of old and new weights and refuses to serve until the " \
           "tensors of the failed update are re-sent: "
@@ -80,9 +81,10 @@ def _write_verdict(write: Callable[[Prepared], None], prepared: Prepared) -> Ver
 
 
 def run(model: torch.nn.Module, source: str, prepare: Callable[[], Prepared], write: Callable[[Prepared], None],
-        context: str = "") -> tuple[bool, str]:
+        context: str = "", validate_only: bool = False) -> tuple[bool, str]:
     """One guarded update (see the module doc); returns SGLang's (success, message). ``context`` (e.g. the checkpoint
-    path) prefixes the messages of errors that do not name their tensor themselves."""
+    path) prefixes the messages of errors that do not name their tensor themselves; ``validate_only``: the request
+    is a validation-round request (its refusal writes nothing of any step)."""
     stats = new_stats(source)
     t0 = time.perf_counter()
     with peak_memory(stats, model_device(model)):
@@ -94,48 +96,79 @@ def run(model: torch.nn.Module, source: str, prepare: Callable[[], Prepared], wr
             stats.tensors, stats.bytes = prepared.tensors, prepared.bytes
             stats.add(prepared.validated)
         if not verdict.ok:
-            return _refused(stats, verdict.message)
+            return _refused(stats, verdict.message, validate_only)
         if prepared.validate_only:
-            current_step().validated()
+            apply_commit(current_step().validated(prepared.validated.names))
             stats.ok, stats.message = True, VALIDATED
             record(stats)
             return True, with_state(VALIDATED)
         verdict = agree(_write_verdict(write, prepared))
         stats.apply_s = time.perf_counter() - t1
-    state = engine_state()
     if not verdict.ok:
-        reason = f"update #{stats.index} ({source}) failed after writing started: {verdict.message}"
-        state.mark_dirty(prepared.validated.names, reason)
-        stats.message = reason
-        record(stats)
-        return False, PARTIAL + reason
-    state.mark_written(prepared.validated.names, full=prepared.full)
-    current_step().applied(prepared.validated.names, kv_layers=prepared.kv_scales or (), pairing=prepared.pairing)
+        return _write_failed(stats, source, prepared, verdict.message)
+    _written(prepared)
     if prepared.step_complete:
         end_step(model, marker=True)  # the request was refused up front if it left halves unpaired
     stats.ok, stats.message = True, "ok"
     record(stats)
-    return True, with_state("Success")
+    held = current_step().held
+    return True, with_state("Success" + (f"; {HELD}{without_partners(sorted(held))}" if held else ""))
 
 
-def unpaired_answer(commit: Commit) -> str:
-    """The answer to a session's end with FP8 halves still waiting for their partner (dropped, never written)."""
-    return (f"{REJECTED_HALVES}{commit.unpaired_message()}; those weights keep their old values, the rest of the step "
-            "was applied")
+def _written(prepared: Prepared) -> None:
+    """A request written in full: dirty marks cleared now where the request counts as complete in itself (a plain
+    step, or a checkpoint that rewrote everything); a step with an extent clears them at its complete end."""
+    step, names = current_step(), prepared.validated.names
+    if prepared.full or not step.declared:
+        engine_state().mark_written(names, full=prepared.full)
+    late = step.applied(names, kv_layers=prepared.kv_scales or (), pairing=prepared.pairing)
+    if late:
+        engine_state().mark_dirty(late, f"written after the step was broken ({step.broken})")
 
 
-def _refused(stats: UpdateStats, message: str) -> tuple[bool, str]:
-    """A request refused on every rank: nothing of it written. In an all-or-nothing step whose earlier requests were
-    written, the step is half applied: those tensors are dirty until re-sent, and the answer says so."""
+def _write_failed(stats: UpdateStats, source: str, prepared: Prepared, message: str) -> tuple[bool, str]:
+    """Writing failed on some rank: the request's tensors (and, in a step with an extent, all it wrote) are dirty."""
+    reason = f"update #{stats.index} ({source}) failed after writing started: {message}"
+    dirty = current_step().write_failed(prepared.validated.names, reason)
+    engine_state().mark_dirty(dirty, reason)
+    stats.message = reason
+    record(stats)
+    earlier = len(dirty) - len(prepared.validated.names)
+    return False, PARTIAL + reason + (f" (with the {earlier} tensors written earlier in this step)" if earlier > 0
+                                      else "")
+
+
+def end_answer(commit: Commit) -> Optional[str]:
+    """What a step's end answers when the step did not complete cleanly (halves dropped, tensors left dirty), else
+    None."""
+    parts = []
+    if commit.unpaired:
+        parts.append(f"FP8 halves whose partner never came were dropped, not written: {commit.unpaired_message()} "
+                     "(those weights keep their old values)")
+    if commit.dirty:
+        parts.append(f"{commit.incomplete}; {len(commit.dirty)} tensors are dirty until a complete step rewrites "
+                     f"them ({some_names(commit.dirty)})")
+    return INCOMPLETE + "; ".join(parts) if parts else None
+
+
+def _refused(stats: UpdateStats, message: str, validate_only: bool) -> tuple[bool, str]:
+    """A request refused on every rank: nothing of it written. The answer says what the step had written before it:
+    in a step with an extent that wrote anything, those tensors are dirty until a complete step rewrites them."""
     stats.message = message
     record(stats)
-    written = current_step().refused(message)
-    if not written:
+    step = current_step()
+    if validate_only:
+        apply_commit(step.validation_refused())
         return False, with_state(REJECTED + message)
-    reason = (f"an all-or-nothing step was refused in its apply round after {len(written)} tensors of it were "
-              f"written: {message}")
-    engine_state().mark_dirty(written, reason)
-    return False, PARTIAL + reason
+    dirty = step.refused(message)
+    if dirty:
+        what = "an all-or-nothing step was refused in its apply round" if step.atomic else \
+            "a weight-update session's step was refused"
+        reason = (f"{what} after {len(dirty)} of its tensors were written ({some_names(dirty)}); nothing of the "
+                  f"refused request was written: {message}")
+        engine_state().mark_dirty(dirty, reason)
+        return False, PARTIAL + reason
+    return False, with_state(REJECTED + message)
 
 
 def run_unvalidated(model: torch.nn.Module, source: str, call: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:

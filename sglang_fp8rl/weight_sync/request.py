@@ -53,6 +53,7 @@ class Validated:
     fp8_layers: dict[str, int] = dataclasses.field(default_factory=dict)
     plain_params: int = 0
     complete: bool = False  # a checkpoint that reaches every parameter of the model (validate_stream)
+    destinations: Optional[Destinations] = None  # where it writes (validate_request): what a write rewrites
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor to write, by name."""
@@ -120,18 +121,45 @@ class Destinations:
 
 
     def covers(self, model: torch.nn.Module) -> bool:
-        """Whether these writes reach every parameter of the model on this rank: every row of every FP8 weight (one
-        per dense layer; one per local expert and weight of a FusedMoE layer) and every other parameter."""
+        """Whether these writes reach every parameter of the model on this rank (see :class:`Unwritten`)."""
+        unwritten = Unwritten(model)
+        unwritten.reached(self)
+        return unwritten.empty
+
+
+class Unwritten:
+    """What of a model's parameters on this rank no write has reached yet, in :class:`Destinations`' terms: the rows
+    of every FP8 weight (one per dense layer; one per local expert and weight of a FusedMoE layer; its scale goes with
+    its rows) and every other parameter. Writes are added request by request (:meth:`reached`), overlaps included."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.rows: dict[tuple[int, tuple[int, ...]], bytearray] = {}  # 1 where a row was written
+        self.rows_left = 0
         owned: set[int] = set()
         for module in model.modules():
             if layer_state(module) is None:
                 continue
             owned.update(id(p) for p in module.parameters(recurse=False))
             for weight in fp8_targets(module):
-                written = self.fp8.get((weight.data_ptr(), tuple(weight.shape)), [])
-                if sum(rows.stop - rows.start for rows, _ in written) < weight.shape[0]:  # overlaps were refused
-                    return False
-        return all(id(p) in owned or id(p) in self.plain for p in model.parameters())
+                self.rows[(weight.data_ptr(), tuple(weight.shape))] = bytearray(weight.shape[0])
+                self.rows_left += weight.shape[0]
+        self.plain = {id(p) for p in model.parameters() if id(p) not in owned}
+
+    def reached(self, destinations: Destinations) -> None:
+        """Count the writes of one request (or checkpoint)."""
+        for key, written in destinations.fp8.items():
+            mask = self.rows.get(key)
+            if mask is None:
+                continue
+            for rows, _ in written:
+                self.rows_left -= mask[rows.start:rows.stop].count(0)
+                mask[rows.start:rows.stop] = b"\x01" * (rows.stop - rows.start)
+        self.plain.difference_update(destinations.plain)
+
+    @property
+    def empty(self) -> bool:
+        """Whether every parameter was reached."""
+        return self.rows_left == 0 and not self.plain
 
 
 def fp8_targets(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -159,7 +187,7 @@ def validate_request(model: torch.nn.Module, load_weights: Callable, named_tenso
     records = cached_dry_run(model, load_weights, named_tensors)
     replay = replays_writes(model)
     destinations = Destinations() if destinations is None else destinations
-    result = Validated()
+    result = Validated(destinations=destinations)
     for name, tensor in named_tensors:
         record = records[name]
         destinations.add(model, name, record)

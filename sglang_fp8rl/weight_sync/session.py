@@ -49,17 +49,22 @@ def _call(target: Any, route: str, timeout: float) -> tuple[bool, str] | None:
 
 def begin(target: Any, timeout: float) -> bool:
     """Open a session; False when the engine has none. A session left open by a trainer that died mid-step is closed
-    first (logged), so one crash does not refuse every later step."""
+    first: the engine drops what that step left (held FP8 halves; an unfinished step's tensors stay dirty until this
+    step rewrites them) and says so, which is logged; then the session opens, so one crash does not refuse every
+    later step."""
     answer = _call(target, BEGIN, timeout)
     if answer is None:
         return False
     ok, message = answer
     if not ok and ALREADY_OPEN in message:
-        logger.warning("[fp8rl] a weight-update session was left open (a previous step did not finish): closing it")
-        end(target, timeout)
+        closed = _call(target, END, timeout)
+        logger.warning("[fp8rl] a weight-update session was left open (a previous step did not finish): closed it; "
+                       "the engine answered: %s", closed[1] if closed and closed[1] else "success")
         ok, message = _call(target, BEGIN, timeout) or (False, "the engine stopped answering /begin_weight_update")
     if not ok:
         raise SessionError(f"/{BEGIN} refused: {message}")
+    if message and "[fp8rl]" in message:  # the engine abandoned a step left open: what it dropped
+        logger.warning("[fp8rl] /%s: %s", BEGIN, message)
     return True
 
 

@@ -6,6 +6,9 @@ the existing storage (CUDA: the quantizers skip their NaN/Inf pre-read and raise
 A failure *after* writing started cannot come from the request's content (it was validated); it is a device error,
 reported as :class:`PartialUpdateError`, and the names it was writing stay *dirty*: the engine is inconsistent, and
 refuses to serve, until later successful updates have re-sent every dirty tensor (or a full disk update succeeds).
+A failure whose tensors are unknown, and weights that came back from SGLang's memory saver without a CPU backup
+(hooks/memory.py), mark :data:`EVERYTHING`: it goes when a full disk update succeeds, or when the writes since it was
+marked have reached every parameter on every TP rank (:meth:`EngineState.mark_written`).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import torch
 
 from sglang_fp8rl.kernels.dispatch import check_nonfinite_flag
 from sglang_fp8rl.layers.fp8_storage import copy_pairs, layer_state, prevalidated_writes, write_planned
+from sglang_fp8rl.weight_sync.consensus import Verdict, agree
 from sglang_fp8rl.weight_sync.fp8_payload import attach_scales, pair_stream
-from sglang_fp8rl.weight_sync.request import Validated, validate_request
+from sglang_fp8rl.weight_sync.request import Destinations, Unwritten, Validated, validate_request
 from sglang_fp8rl.weight_sync.validate import NamedTensors, UpdateRejected, request_bytes
 
 logger = logging.getLogger(__name__)
@@ -95,6 +99,9 @@ class EngineState:
     dirty: set[str] = dataclasses.field(default_factory=set)
     inconsistent_reason: str = ""
     flush_due: bool = False  # an update's cache flush was refused while requests ran: flushed when idle
+    released: set[str] = dataclasses.field(default_factory=set)  # SGLang's memory-saver tags released now
+    # while EVERYTHING is marked: what no successful write has reached since (None: nothing written since)
+    unwritten: Optional[Unwritten] = None
 
     @property
     def consistent(self) -> bool:
@@ -103,17 +110,52 @@ class EngineState:
 
     def mark_dirty(self, names: Iterable[str], reason: str) -> None:
         """A write failed part-way over ``names`` (EVERYTHING when unknown)."""
-        self.dirty.update(names or (EVERYTHING,))
+        names = tuple(names) or (EVERYTHING,)
+        if EVERYTHING in names:
+            self.unwritten = None  # only writes from now on can replace what it lost
+        self.dirty.update(names)
         self.inconsistent_reason = reason
 
-    def mark_written(self, names: Iterable[str], full: bool = False) -> None:
-        """``names`` were written completely; ``full``: every weight of the model was."""
+    def mark_written(self, names: Iterable[str], full: bool = False, agreed: bool = True) -> None:
+        """``names`` were written completely; ``full``: every weight of the model was. ``agreed``: every TP rank makes
+        this call at this point (the guard's and the step's calls, after their agreement): while EVERYTHING is marked,
+        the ranks then agree whether each one's writes since the mark reached all its parameters (one exchange over
+        the CPU group), and if so it goes."""
         if full:
             self.dirty.clear()
         else:
             self.dirty.difference_update(names)
+        if agreed and EVERYTHING in self.dirty:
+            self._clear_if_rewritten()
+        if EVERYTHING not in self.dirty:
+            self.unwritten = None
         if not self.dirty:
             self.inconsistent_reason = ""
+
+    def note_written(self, model: torch.nn.Module, destinations: Optional[Destinations]) -> None:
+        """A request was written on this rank at ``destinations``: while EVERYTHING is marked, count what it
+        reached."""
+        if EVERYTHING not in self.dirty or destinations is None:
+            return
+        if self.unwritten is None:
+            self.unwritten = Unwritten(model)
+        self.unwritten.reached(destinations)
+
+    def _clear_if_rewritten(self) -> None:
+        local = self.unwritten is not None and self.unwritten.empty
+        # the same decision on every rank: a rank that judged alone could serve while another refuses (EP places
+        # experts on one rank, so one rank's writes can be complete before another's)
+        if not agree(Verdict(local)).ok:
+            return
+        self.dirty.discard(EVERYTHING)
+        logger.info("[fp8rl] every parameter was rewritten since the engine lost track of its weights (%s)",
+                    self.inconsistent_reason)
+
+    def unwritten_summary(self) -> str:
+        """How much of the model no write has reached since EVERYTHING was marked (for messages)."""
+        if self.unwritten is None:
+            return "all of them (nothing written yet)"
+        return f"{self.unwritten.rows_left} FP8 weight rows and {len(self.unwritten.plain)} other parameters"
 
 
 _STATE = EngineState()
@@ -166,6 +208,7 @@ def apply_validated(model: torch.nn.Module, load_weights: Callable, validated: V
         check_nonfinite_flag(flag, validated.named_tensors())  # cannot trip after validation; defence in depth
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    _STATE.note_written(model, validated.destinations)
 
 
 @contextlib.contextmanager
@@ -235,7 +278,7 @@ class GuardedLoadWeights:
             record(stats)
             raise PartialUpdateError(f"{reason}. The engine holds a mix of old and new weights; "
                                      "re-send those tensors before serving again.") from e
-        _STATE.mark_written(names)
+        _STATE.mark_written(names, agreed=False)  # rank-local: the caller's agreement comes after (guard)
         stats.ok, stats.message = True, "ok"
         record(stats)
 

@@ -135,7 +135,8 @@ def check_unique(names: Sequence[str]) -> None:
 # the shape rule for parameters that are not ours (BF16: embeddings, norms, lm_head, routers, layers kept in BF16)
 
 
-def _shard_id(owner: Optional[torch.nn.Module], args: tuple, kwargs: dict) -> Any:
+def shard_id_of(owner: Optional[torch.nn.Module], args: tuple, kwargs: dict) -> Any:
+    """The shard a loader call writes (``loaded_shard_id`` of a linear, ``shard_id`` of a FusedMoE), or None."""
     if isinstance(owner, FusedMoE):  # FusedMoE.weight_loader(param, loaded, weight_name, shard_id, expert_id)
         return kwargs.get("shard_id", args[1] if len(args) > 1 else None)
     return args[0] if args else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
@@ -246,7 +247,7 @@ def _set_loader(param: torch.nn.Parameter, loader: Optional[Callable]) -> None:
         param.__dict__[key] = loader
 
 
-def _owners(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, str]]:
+def param_owners(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, str]]:
     """id(param) -> (owning module, attribute name), computed once per model."""
     owners = model.__dict__.get("_fp8rl_param_owners")
     if owners is None:
@@ -256,11 +257,26 @@ def _owners(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, str]]:
 
 
 @contextlib.contextmanager
+def replaced_loaders(model: torch.nn.Module, make: Callable[[torch.nn.Parameter, Callable], Callable]
+                     ) -> Iterator[None]:
+    """Inside the block, every parameter's loader is ``make(param, its real loader)``; restored after."""
+    saved: dict[int, tuple[torch.nn.Parameter, Optional[Callable]]] = {}
+    for param in model.parameters():
+        real = _current_loader(param)
+        saved[id(param)] = (param, real)
+        _set_loader(param, make(param, real or default_weight_loader))
+    try:
+        yield
+    finally:
+        for param, real in saved.values():
+            _set_loader(param, real)
+
+
+@contextlib.contextmanager
 def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunTarget]:
     """Replace every parameter's loader by a checker that records into ``target.record`` but never writes."""
     target = DryRunTarget()
-    saved: dict[int, tuple[torch.nn.Parameter, Optional[Callable]]] = {}
-    owners = _owners(model)
+    owners = param_owners(model)
 
     def make_checker(param: torch.nn.Parameter, real: Callable) -> Callable:
         def checker(p: torch.nn.Parameter, loaded: torch.Tensor, *args, **kwargs) -> None:
@@ -271,7 +287,7 @@ def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunTarget]:
                 target.record.replayable &= loaded is target.tensor
                 return
             owner, param_name = owners.get(id(p), (None, ""))
-            check_plain_shape(owner, param_name, p, loaded, _shard_id(owner, args, kwargs))
+            check_plain_shape(owner, param_name, p, loaded, shard_id_of(owner, args, kwargs))
             _load_into_scratch(real, p, loaded, *args, **kwargs)
             target.record.plain_params += 1
             target.record.plain_writes.append((p, loader_shard(args, kwargs)))
@@ -281,15 +297,8 @@ def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunTarget]:
 
         return checker
 
-    for param in model.parameters():
-        real = _current_loader(param)
-        saved[id(param)] = (param, real)
-        _set_loader(param, make_checker(param, real or default_weight_loader))
-    try:
+    with replaced_loaders(model, make_checker):
         yield target
-    finally:
-        for param, real in saved.values():
-            _set_loader(param, real)
 
 
 def _rejected(model: torch.nn.Module, name: str, error: BaseException) -> UpdateRejected:

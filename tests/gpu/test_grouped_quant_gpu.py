@@ -76,7 +76,7 @@ def test_a_nan_sets_the_flag_and_only_its_block_stays_unwritten():
     q_k, s_k = items[1][1], items[1][2]
     assert bool((q_k[256:384, :128].view(torch.uint8) == POISON).all()) and bool(s_k[2, 0].isnan())
     assert not bool((q_k[:256].view(torch.uint8) == POISON).any()) and int(s_k.isnan().sum()) == 1
-    for (w, q, s), (q_ref, s_ref) in zip([items[0], *items[2:]], ref):
+    for (_, q, s), (q_ref, s_ref) in zip([items[0], *items[2:]], ref):
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
 
 
@@ -88,5 +88,5 @@ def test_items_the_kernel_cannot_take_are_written_on_their_own():
     assert dispatch.grouped_reason(*odd) is not None and dispatch.grouped_reason(*cpu) is not None
     ref = one_by_one(items, False)
     assert dispatch.quantize_blockwise_many(items, dispatch.new_nonfinite_flag("cuda")) == 3
-    for (w, q, s), (q_ref, s_ref) in zip(items, ref):
+    for (_, q, s), (q_ref, s_ref) in zip(items, ref):
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)

@@ -228,9 +228,9 @@ def _hf_model_on_meta(model_path: str):
 def trainer_weights(model_path: str, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """The (name, tensor) stream verl's FSDP engine yields for a weight sync of a model whose HF-named, per-expert
-    weights are ``state_dict``: the Transformers model's ``state_dict()`` names in order (packed ``experts.gate_up_proj``
-    / ``experts.down_proj`` for Qwen3-MoE), at ``dtype`` (the FSDP parameters' dtype: FP32 or BF16), through verl's
-    ``unfuse_moe_params``."""
+    weights are ``state_dict``: the Transformers model's ``state_dict()`` names in order (packed
+    ``experts.gate_up_proj`` / ``experts.down_proj`` for Qwen3-MoE), at ``dtype`` (the FSDP parameters' dtype: FP32 or
+    BF16), through verl's ``unfuse_moe_params``."""
     model = _hf_model_on_meta(model_path)
     tied = getattr(model.config, "tie_word_embeddings", False)
 
