@@ -3,19 +3,24 @@
 
 Each config is its own `python -m sglang.launch_server` on a dummy-weight model (`--load-format dummy`, the
 config.json-only folders of scripts/gpu/make_models.py: Qwen3-8B shapes, or Qwen3-30B-A3B with --model), started one
-after another in the same run. The workload is one RL rollout step: --num-prompts prompts of --input-len random token
-ids (seeded), each `/generate` request with `temperature 1.0`, `ignore_eos`, and its own `max_new_tokens` drawn from
-the output-length distribution (capped at --output-cap); the whole batch is submitted at once, one thread per request,
-and each request's completion time is recorded.
+after another in the same run (or side by side with --gpus). The workload is one RL rollout step: --num-prompts prompts
+of random token ids (seeded), each as long as the prompt-length distribution draws (--input-dist; fixed --input-len by
+default), each `/generate` request with `temperature 1.0`, `ignore_eos`, and its own `max_new_tokens` drawn from the
+output-length distribution (capped at --output-cap); the whole batch is submitted at once, one thread per request, and
+each request's completion time is recorded.
 
-Configs (--configs, in order; the first one is the baseline of the ratios):
+Configs (--configs, run in the order given):
   bf16           SGLang's defaults (no --attention-backend flag: FA3 on Hopper)
+  bf16_graphs512 bf16 + --cuda-graph-max-bs 512: BF16 with the decode CUDA-graph capture this plugin sets for FP8
+                 (SGLang's default is 256 on an H100; a BF16 user can pass the same flag)
   bf16_triton    --attention-backend triton
   fp8            --quantization fp8_online_blockwise (this plugin, its defaults)
   fp8_triton     fp8 + --attention-backend triton
   fp8_kv         fp8 + --kv-cache-dtype fp8_e4m3 (the plugin calibrates the K/V scales at load)
   fp8_kv_triton  fp8_kv + --attention-backend triton
   fp8_kv_flashinfer  fp8_kv + --attention-backend flashinfer (its first start JIT-compiles FlashInfer's kernels)
+The ratios' baseline is the faster (smaller makespan, all requests done) of bf16 and bf16_graphs512 among the configs
+that ran, named in the table; with neither of them, the first config.
 Every server also gets --load-format dummy --skip-tokenizer-init --sampling-backend pytorch --grammar-backend none
 --dtype bfloat16 --decode-log-interval 1 --random-seed SEED (the proven flags of the GPU machine's trimmed
 wheelhouse, plus one scheduler log line per decode step); --extra-args CONFIG="FLAGS" adds flags to one config
@@ -29,15 +34,28 @@ running requests (the largest `#running-req` of the decode log lines), and the s
 CUDA graph: of the scheduler's `Decode batch, ... cuda graph: True|False` lines during the run (one per decode step
 with --decode-log-interval 1), the fraction with `False` (SGLang replays a decode graph only up to its captured batch
 size, 256 on an H100 by default), and the share of decode tokens (sum of #running-req) those batches produced.
-Ratios against the first config in the same table; a second table gives each config's decode steps by the number of
-requests running (scripts/rollout_regimes.py: steps, median step time and the run's seconds per band, and the step
-speed-up over the first config: where the makespan goes); a completion curve (requests done vs time, one line per
+Ratios against the baseline (above) in the same table; a second table gives each config's decode steps by the number
+of requests running (scripts/rollout_regimes.py: steps, median step time and the run's seconds per band, and the step
+speed-up over the baseline: where the makespan goes); a completion curve (requests done vs time, one line per
 config) in completion.png when matplotlib imports (a failed plot does not end the run).
 
-Workload size (--scale): full = 384 prompts, output median 1500, cap 8192 (the default); short = 256 prompts, median
-1000, cap 4096 (two configs on Qwen3-8B shapes fit one 9-minute GPU call with server starts). --num-prompts,
---output-median and --output-cap override the scale. Output lengths: lognormal (median, sigma: ln L ~ N(ln median,
-sigma)), uniform (--output-lo .. --output-hi) or fixed (--output-len), each capped at --output-cap.
+Workload size (--scale):
+  full   384 prompts of 512 tokens, outputs lognormal median 1500, sigma 1, cap 8192 (the default)
+  short  256 prompts of 512 tokens, median 1000, sigma 1, cap 4096 (two configs on Qwen3-8B shapes fit one 9-minute
+         GPU call with server starts)
+  long   the long-context tail: 192 prompts of lognormal length (median 2048, sigma 0.5, kept within 256..8192;
+         449,778 tokens at seed 0), outputs lognormal median 1500, sigma 1.2, cap 16384 (533,836 tokens, 4 at the
+         cap), so the last samples decode alone over contexts of up to 24k tokens. On an H100 at Qwen3-8B shapes the
+         prompts alone exceed BF16's KV pool (362,891 tokens, docs/RESULTS.md 19a) and fit FP8 KV's (811,924); an
+         H200's BF16 pool holds them. Sized for one BF16 config (or one wave of --gpus) per 600 s GPU call with its
+         server start; not yet measured.
+Each workload flag given overrides the scale's value. Prompt lengths (--input-dist): fixed (--input-len), lognormal
+(median --input-len, --input-sigma) kept within --input-lo .. --input-hi, or uniform (--input-lo .. --input-hi).
+Output lengths: lognormal (median, sigma: ln L ~ N(ln median, sigma)), uniform (--output-lo .. --output-hi) or fixed
+(--output-len), each capped at --output-cap.
+
+Side by side (--gpus G0 G1 ...): the configs run in waves of one config per GPU, in the order given, each wave's
+configs at the same time on identical GPUs; with as many GPUs as configs, every config runs side by side.
 
 Writes under --out: results.json (workload, per-config metrics, ratios), summary.md (the table), completion.png,
 answers.json (the recorded answers: per-request completion times and the server log lines the report uses; a later
@@ -50,6 +68,7 @@ files, plain or .gz, join runs made one after another: each config from the firs
   python scripts/bench_rl_rollout.py --out /tmp/rl_rollout                          # bf16 vs fp8, full scale
   python scripts/bench_rl_rollout.py --scale short --configs bf16 fp8 fp8_kv --deadline-s 540 --out /tmp/r
   python scripts/bench_rl_rollout.py --model qwen3-30b-a3b --configs bf16 fp8 --extra-args fp8=--fp8rl-gemm-select=off
+  python scripts/bench_rl_rollout.py --scale long --configs bf16 bf16_graphs512 fp8 fp8_kv --gpus 0 1 2 3 --out /tmp/r
   python scripts/bench_rl_rollout.py --dry-run --out /tmp/rl_dry --num-prompts 8 --input-len 16 --output-median 100 \\
       --output-cap 400 --configs bf16 fp8 fp8_kv
 """
@@ -70,17 +89,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+import _paths  # noqa: F401  (scripts/gpu and the checkout on sys.path)
+import bench_rollout as BR  # scripts/bench_rollout.py: startup-log parsing, the FP8 flag lists
+import kv_measure as KV  # scripts/kv_measure.py: attention backends, FA3 probe, backend env
+import rollout_regimes as RG  # scripts/rollout_regimes.py: decode steps by running requests
+from accuracy_regression import percentile  # numpy-style linear-interpolation percentile
 
-import bench_rollout as BR  # noqa: E402  (scripts/bench_rollout.py: startup-log parsing, the FP8 flag lists)
-import kv_measure as KV  # noqa: E402  (scripts/kv_measure.py: attention backends, FA3 probe, backend env)
-import rollout_regimes as RG  # noqa: E402  (scripts/rollout_regimes.py: decode steps by running requests)
-from accuracy_regression import percentile  # noqa: E402  (numpy-style linear-interpolation percentile)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIGS: dict[str, list[str]] = {
     "bf16": [],
+    # the plugin's FP8 capture (FP8_DECODE_GRAPH_MAX_BS) for BF16; --cuda-graph-max-bs is the flag of every supported
+    # release (from 0.5.15 an alias of --cuda-graph-max-bs-decode, the field the plugin raises)
+    "bf16_graphs512": ["--cuda-graph-max-bs", "512"],
     "bf16_triton": ["--attention-backend", "triton"],
     "fp8": list(BR._ONLINE),
     "fp8_triton": [*BR._ONLINE, "--attention-backend", "triton"],
@@ -92,9 +113,16 @@ DEFAULT_CONFIGS = ["bf16", "fp8"]
 MODELS = ("qwen3-8b", "qwen3-30b-a3b")  # scripts/gpu/make_models.py names
 COMMON_FLAGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--sampling-backend", "pytorch",
                 "--grammar-backend", "none", "--dtype", "bfloat16", "--decode-log-interval", "1", "--host", "127.0.0.1"]
+# a workload flag left unset takes its scale's value, else its WORKLOAD_DEFAULTS value
 SCALES = {"full": {"num_prompts": 384, "output_median": 1500, "output_cap": 8192},
-          "short": {"num_prompts": 256, "output_median": 1000, "output_cap": 4096}}
+          "short": {"num_prompts": 256, "output_median": 1000, "output_cap": 4096},
+          "long": {"num_prompts": 192, "input_dist": "lognormal", "input_len": 2048, "input_sigma": 0.5,
+                   "input_lo": 256, "input_hi": 8192, "output_median": 1500, "output_sigma": 1.2,
+                   "output_cap": 16384}}
+WORKLOAD_DEFAULTS = {"input_dist": "fixed", "input_len": 512, "input_sigma": 0.5, "input_lo": 1, "input_hi": None,
+                     "output_sigma": 1.0}
 DISTRIBUTIONS = ("lognormal", "uniform", "fixed")
+BF16_BASELINES = ("bf16", "bf16_graphs512")  # the ratios' denominator: the faster of these that ran
 TOKEN_RANGE = (100, 151000)  # prompt ids: below Qwen3's special tokens (151643+)
 DEFAULT_RECORDED = os.path.join(REPO, "tests", "data", "rl_rollout_recorded.json")
 ATTN_FLAG = "--attention-backend"
@@ -130,28 +158,66 @@ def output_lengths(n: int, dist: str, cap: int, seed: int, median: float = 1500,
     return [max(1, min(int(cap), round(x))) for x in raw]
 
 
-def prompt_ids(n: int, length: int, seed: int) -> list[list[int]]:
-    """n prompts of `length` random token ids (seeded)."""
+def input_lengths(n: int, dist: str, seed: int, length: int = 512, sigma: float = 0.5, lo: int = 1,
+                  hi: int | None = None) -> list[int]:
+    """n prompt lengths: fixed `length`, lognormal (median `length`) kept within [lo, hi], or uniform in [lo, hi]."""
+    if dist == "fixed":
+        return [int(length)] * n
+    # a stream of its own: the prompt ids (seed) and the output lengths stay what they were with fixed prompts
+    rng = random.Random(seed * 1_000_003 + 2)
+    if dist == "lognormal":
+        raw = [round(rng.lognormvariate(math.log(length), sigma)) for _ in range(n)]
+    elif dist == "uniform":
+        if hi is None:
+            raise ValueError("uniform prompt lengths need an upper bound (--input-hi)")
+        raw = [rng.randint(lo, hi) for _ in range(n)]
+    else:
+        raise ValueError(f"unknown prompt-length distribution {dist!r}; choose from {DISTRIBUTIONS}")
+    return [max(lo, 1, x if hi is None else min(hi, x)) for x in raw]
+
+
+def prompt_ids(n: int, length: int | list[int], seed: int) -> list[list[int]]:
+    """n prompts of random token ids (seeded), each `length` long or as long as its entry of the list."""
+    lens = [length] * n if isinstance(length, int) else list(length)
+    if len(lens) != n:
+        raise ValueError(f"{len(lens)} prompt lengths for {n} prompts")
     rng = random.Random(seed)
-    return [[rng.randrange(*TOKEN_RANGE) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(*TOKEN_RANGE) for _ in range(k)] for k in lens]
 
 
 def make_workload(args: argparse.Namespace) -> dict:
     """The rollout batch of the parsed arguments: prompts, max_new_tokens per request, and its description."""
     lens = output_lengths(args.num_prompts, args.output_dist, args.output_cap, args.seed, median=args.output_median,
                           sigma=args.output_sigma, lo=args.output_lo, hi=args.output_hi, fixed=args.output_len)
-    spec = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_dist": args.output_dist,
-            "output_median": args.output_median, "output_sigma": args.output_sigma, "output_lo": args.output_lo,
-            "output_hi": args.output_hi, "output_len": args.output_len, "output_cap": args.output_cap,
-            "seed": args.seed, "scale": args.scale, "temperature": 1.0, "ignore_eos": True}
-    return {"input_ids": prompt_ids(args.num_prompts, args.input_len, args.seed), "max_new_tokens": lens,
-            "spec": spec, "stats": length_stats(lens, args.output_cap)}
+    in_lens = input_lengths(args.num_prompts, args.input_dist, args.seed, length=args.input_len,
+                            sigma=args.input_sigma, lo=args.input_lo, hi=args.input_hi)
+    spec = {"num_prompts": args.num_prompts, "input_dist": args.input_dist, "input_len": args.input_len,
+            "input_sigma": args.input_sigma, "input_lo": args.input_lo, "input_hi": args.input_hi,
+            "output_dist": args.output_dist, "output_median": args.output_median, "output_sigma": args.output_sigma,
+            "output_lo": args.output_lo, "output_hi": args.output_hi, "output_len": args.output_len,
+            "output_cap": args.output_cap, "seed": args.seed, "scale": args.scale, "temperature": 1.0,
+            "ignore_eos": True}
+    return {"input_ids": prompt_ids(args.num_prompts, in_lens, args.seed), "max_new_tokens": lens,
+            "spec": spec, "stats": length_stats(lens, args.output_cap),
+            "input_stats": length_stats(in_lens, args.input_hi or max(in_lens, default=0))}
 
 
 def length_stats(lens: list[int], cap: int) -> dict:
     """Median, p90, mean, max, total of the output lengths and how many sit at the cap."""
     return {"n": len(lens), "total": sum(lens), "mean": sum(lens) / max(1, len(lens)), "median": percentile(lens, 50),
             "p90": percentile(lens, 90), "max": max(lens, default=0), "at_cap": sum(x >= cap for x in lens)}
+
+
+def describe_prompts(spec: dict) -> str:
+    """The prompt-length part of the workload line (a spec recorded before prompt distributions: fixed)."""
+    d = spec.get("input_dist", "fixed")
+    if d == "lognormal":
+        lo, hi = spec.get("input_lo", 1), spec.get("input_hi")
+        bounds = f"at least {lo}" if hi is None else f"within [{lo}, {hi}]"
+        return f"lognormal(median {spec['input_len']:g}, sigma {spec['input_sigma']:g}) {bounds}"
+    if d == "uniform":
+        return f"uniform({spec['input_lo']}, {spec['input_hi']})"
+    return str(spec["input_len"])
 
 
 def describe_workload(spec: dict) -> str:
@@ -163,7 +229,7 @@ def describe_workload(spec: dict) -> str:
         dist = f"uniform({spec['output_lo']}, {spec['output_hi'] or spec['output_cap']})"
     else:
         dist = f"fixed {spec['output_len'] or spec['output_median']:g}"
-    return (f"{spec['num_prompts']} prompts x {spec['input_len']} random token ids, output {dist} capped at "
+    return (f"{spec['num_prompts']} prompts x {describe_prompts(spec)} random token ids, output {dist} capped at "
             f"{spec['output_cap']}, temperature 1.0, ignore_eos, seed {spec['seed']}")
 
 
@@ -347,12 +413,34 @@ def ratios(res: dict, base: dict) -> dict:
             "peak_running": _div(res.get("peak_running"), base.get("peak_running"))}
 
 
+def pick_baseline(results: dict[str, dict]) -> dict:
+    """The ratios' denominator: the faster of the BF16 baselines that ran (bf16 at SGLang's defaults, bf16_graphs512),
+    else the first config; {"config", "candidates": {name: makespan or None}, "why"}."""
+    cands = {n: r.get("makespan_s") if r.get("complete") else None for n, r in results.items()
+             if n in BF16_BASELINES}
+    if not cands:
+        first = next(iter(results), None)
+        return {"config": first, "candidates": {}, "why": "the first config (no BF16 baseline config ran)"}
+    done = {n: ms for n, ms in cands.items() if ms is not None}
+    if not done:  # none finished: no ratio is known, the first of them names the column
+        return {"config": next(iter(cands)), "candidates": cands, "why": "no BF16 baseline finished every request"}
+    base = min(done, key=done.get)  # a tie keeps the earlier config
+    if len(cands) == 1:
+        why = f"the only one of {' / '.join(BF16_BASELINES)} that ran"
+    else:
+        why = "the faster BF16: " + ", ".join(
+            f"{n} {'did not finish' if ms is None else f'{ms:.1f} s'}" for n, ms in cands.items())
+    return {"config": base, "candidates": cands, "why": why}
+
+
 def build_report(records: dict[str, dict], n_planned: int) -> dict[str, dict]:
-    """config -> metrics + `vs_base` ratios against the first config."""
+    """config -> metrics + `vs_base` ratios against the baseline of pick_baseline (in each config's `baseline`)."""
     results = {name: summarize_config(name, rec, n_planned) for name, rec in records.items()}
-    base = next(iter(results.values()), None)
+    pick = pick_baseline(results)
+    base = results.get(pick["config"]) or {}
     for res in results.values():
         res["vs_base"] = ratios(res, base)
+        res["baseline"] = pick["config"]
     return results
 
 
@@ -374,12 +462,17 @@ def _graph_cell(r: dict) -> str:
 
 
 def format_summary(results: dict[str, dict], meta: dict) -> str:
-    """summary.md: the table (ratios vs the first config in it), workload, definitions, per-config notes."""
-    base = next(iter(results), "?")
+    """summary.md: the table (ratios vs the baseline of pick_baseline), workload, definitions, per-config notes."""
+    pick = pick_baseline(results)
+    base = pick["config"] or "?"
+    inp = meta.get("input_lengths")
+    prompts = "" if not inp else (f"; prompt lengths: median {_f(inp['median'])}, p90 {_f(inp['p90'])}, max "
+                                  f"{_f(inp['max'])}, {_f(inp['total'])} tokens in all")
     lines = [f"## RL-shaped rollout, stock SGLang server: {meta.get('model_desc', '')}",
              (f"workload: {meta.get('workload_desc', '')}; output lengths: median {_f(meta['lengths']['median'])}, "
               f"p90 {_f(meta['lengths']['p90'])}, max {_f(meta['lengths']['max'])}, {meta['lengths']['at_cap']} at "
-              f"the cap, {_f(meta['lengths']['total'])} tokens in all")]
+              f"the cap, {_f(meta['lengths']['total'])} tokens in all{prompts}"),
+             f"ratios against {base}: {pick['why']}"]
     if meta.get("device"):
         lines.append(f"device: {meta['device']}; {meta.get('versions', '')}; {meta.get('date', '')}")
     sources = meta.get("recorded_sources") or {}
@@ -409,7 +502,9 @@ def format_summary(results: dict[str, dict], meta: dict) -> str:
                    "Decode batches without CUDA graph: of the scheduler's `Decode batch` log lines during the run "
                    "(one per decode step, --decode-log-interval 1), those with `cuda graph: False`, and the share of "
                    "decode tokens (sum of #running-req) they produced."), ""]
-    regimes = RG.format_regimes({name: r.get("regimes") or {} for name, r in results.items()})
+    # the baseline's column first: format_regimes takes the step speed-ups against its first config
+    order = [base, *(n for n in results if n != base)] if base in results else list(results)
+    regimes = RG.format_regimes({name: results[name].get("regimes") or {} for name in order})
     if regimes:
         lines += [regimes, ""]
     for name, r in results.items():
@@ -455,7 +550,7 @@ def write_outputs(out: str, records: dict[str, dict], meta: dict, workload: dict
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"meta": meta, "results": results,
+        json.dump({"meta": meta, "baseline": pick_baseline(results), "results": results,
                    "curves": {n: completion_curve(rec.get("requests") or []) for n, rec in records.items()}},
                   f, indent=1, default=str)
     if not meta.get("dry_run"):
@@ -596,7 +691,6 @@ def run_config(item: dict, log_path: str, workload: dict, start_timeout: float, 
     """Start one server, wait until healthy, submit the batch, stop it; the config's record (see answers.json).
 
     The batch gets run_timeout seconds, fewer when deadline_at (time.time()) comes first."""
-    sys.path.insert(0, os.path.join(HERE, "gpu"))
     from server_io import stop, url, wait_healthy  # scripts/gpu/server_io.py
 
     rec: dict[str, Any] = {"flags": item["flags"], "cmd": " ".join(item["cmd"]), "fa3_fallback": item["fa3_fallback"],
@@ -657,7 +751,7 @@ def run_waves(plan: list[dict], args: argparse.Namespace, out: str, workload: di
             item = dict(item, env=dict(item["env"], CUDA_VISIBLE_DEVICES=str(gpu)))
             say(f"run {item['name']} on GPU {gpu}: {' '.join(item['cmd'][3:])}")
 
-            def one(item=item, gpu=gpu) -> None:
+            def one(item=item, gpu=gpu, left=left, wave_deadline=wave_deadline) -> None:
                 rec = run_config(item, os.path.join(out, f"server_{item['name']}.log"), workload,
                                  min(args.start_timeout, left - 45), args.run_timeout, wave_deadline)
                 rec["gpu"] = gpu
@@ -687,7 +781,7 @@ def fa3_missing(plan: list[dict]) -> str | None:
 # ----------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line; --scale fills the prompt count, output median and cap not given explicitly."""
+    """The command line; --scale fills the workload flags not given (then WORKLOAD_DEFAULTS)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
@@ -697,13 +791,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="dummy-weight shapes: Qwen3-8B (dense) or Qwen3-30B-A3B (MoE)")
     p.add_argument("--model-dir", default="/tmp/fp8rl_models", help="dummy model folders (made if missing)")
     p.add_argument("--out", default="/tmp/fp8rl_rl_rollout")
-    p.add_argument("--scale", choices=sorted(SCALES), default="full",
-                   help="full: 384 prompts, median 1500, cap 8192; short: 256, 1000, 4096")
+    p.add_argument("--scale", choices=list(SCALES), default="full",
+                   help="workload size; each workload flag given overrides its value (see below)")
     p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--input-dist", choices=DISTRIBUTIONS, default=None,
+                   help="prompt lengths (default: fixed; --scale long: lognormal)")
+    p.add_argument("--input-len", type=int, default=None, help="fixed: the prompt length; lognormal: the median "
+                   "(default 512; --scale long: 2048)")
+    p.add_argument("--input-sigma", type=float, default=None, help="lognormal sigma of ln(prompt length) (0.5)")
+    p.add_argument("--input-lo", type=int, default=None, help="shortest prompt (lognormal, uniform; default 1)")
+    p.add_argument("--input-hi", type=int, default=None,
+                   help="longest prompt (lognormal: none by default; uniform: required)")
     p.add_argument("--output-dist", choices=DISTRIBUTIONS, default="lognormal")
     p.add_argument("--output-median", type=float, default=None, help="lognormal median (fixed: the length)")
-    p.add_argument("--output-sigma", type=float, default=1.0, help="lognormal sigma of ln(length)")
+    p.add_argument("--output-sigma", type=float, default=None, help="lognormal sigma of ln(length) (default 1)")
     p.add_argument("--output-lo", type=int, default=1, help="uniform: lowest length")
     p.add_argument("--output-hi", type=int, default=None, help="uniform: highest length (default: the cap)")
     p.add_argument("--output-len", type=int, default=None, help="fixed: the length (default: the median)")
@@ -733,7 +834,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="answers.json of earlier run(s) (for --dry-run); with several, each config comes from the "
                         "first file that has it")
     a = p.parse_args(argv)
-    for key, val in SCALES[a.scale].items():
+    for key, val in {**WORKLOAD_DEFAULTS, **SCALES[a.scale]}.items():
         if getattr(a, key) is None:
             setattr(a, key, val)
     if a.mem_fraction_static is None and a.model == "qwen3-30b-a3b":
@@ -742,6 +843,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--num-prompts, --input-len, --output-cap and --output-median must be positive, --output-sigma >= 0")
     if a.output_dist == "uniform" and not 1 <= a.output_lo <= (a.output_hi or a.output_cap):
         p.error("--output-lo must be between 1 and --output-hi (or the cap)")
+    if a.input_sigma < 0 or a.input_lo < 1 or (a.input_hi is not None and a.input_hi < a.input_lo):
+        p.error("--input-sigma must be >= 0, --input-lo >= 1 and --input-hi >= --input-lo")
+    if a.input_dist == "uniform" and a.input_hi is None:
+        p.error("--input-dist uniform needs --input-hi")
     try:
         parse_extra_args(a.extra_args, CONFIGS)
     except ValueError as e:
@@ -753,6 +858,7 @@ def _meta(args: argparse.Namespace, workload: dict) -> dict:
     shape = "Qwen3-30B-A3B-shaped (MoE)" if args.model == "qwen3-30b-a3b" else "Qwen3-8B-shaped"
     return {"model": args.model, "model_desc": f"{shape} dummy weights", "workload": workload["spec"],
             "workload_desc": describe_workload(workload["spec"]), "lengths": workload["stats"],
+            "input_lengths": workload["input_stats"],
             "configs": list(dict.fromkeys(args.configs)), "argv": sys.argv, "dry_run": args.dry_run}
 
 
@@ -764,7 +870,8 @@ def main(argv: list[str] | None = None) -> int:
     out = os.path.abspath(args.out)
     model_path = os.path.join(os.path.abspath(args.model_dir), args.model)
     say(f"workload: {meta['workload_desc']}; output lengths median {workload['stats']['median']:.0f}, p90 "
-        f"{workload['stats']['p90']:.0f}, max {workload['stats']['max']}, {workload['stats']['total']:,} tokens")
+        f"{workload['stats']['p90']:.0f}, max {workload['stats']['max']}, {workload['stats']['total']:,} tokens; "
+        f"prompts {workload['input_stats']['total']:,} tokens (longest {workload['input_stats']['max']})")
     if args.dry_run:
         for item in build_plan(args, model_path):
             env = " ".join(f"{k}={v}" for k, v in sorted(item["env"].items()))
@@ -786,7 +893,6 @@ def main(argv: list[str] | None = None) -> int:
         say(f"FlashAttention-3 does not import here ({why}); configs without --attention-backend run on triton")
         plan = build_plan(args, model_path, fa3_fallback=True)
     meta.update(BR._env_info(), fa3_missing=why)
-    sys.path.insert(0, os.path.join(HERE, "gpu"))
     import make_models  # scripts/gpu/make_models.py
 
     make_models.ensure(os.path.abspath(args.model_dir), [args.model])

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Rollout throughput: online blockwise FP8 (this plugin) vs BF16, SGLang's pre-quantized block-FP8 and online per-channel FP8.
+"""Rollout throughput: online blockwise FP8 (this plugin) vs BF16, SGLang's pre-quantized block-FP8 and online
+per-channel FP8.
 
 One command, one run, one table. Each config is one subprocess of `sglang.benchmark.one_batch` (what
 `python -m sglang.bench_one_batch` runs: a static batch, prefill then greedy decode, no server) on a dummy-weight
@@ -23,9 +24,9 @@ Opt-in (--configs), the FP8 KV cache of issue 15:
 
 For block_prequant and fp8_channel the FP8 dummy weights found at dummy init are refilled with U(-2,2) in e4m3 and
 weight_scale_inv := 5e-4 (SGLang's dummy init casts U(-1e-3,1e-3) to e4m3, which leaves ~98 % zeros and negative
-scales; shared/gpu/bench_block.py). fp8_channel quantizes after dummy init, so there the hook finds nothing to refill.
+scales). fp8_channel quantizes after dummy init, so there the hook finds nothing to refill.
 
-Common flags (proven in shared/gpu/bench_block.sh): --load-format dummy --attention-backend triton (or
+Common flags: --load-format dummy --attention-backend triton (or
 --attention-backend flashinfer / fa3; fa3 only where sglang-kernel's FlashAttention-3 imports) --sampling-backend
 pytorch --grammar-backend none --dtype bfloat16 --disable-prefill-cuda-graph --cuda-graph-bs-decode <the batch sizes>
 --mem-fraction-static 0.7, input 512, output 1024 (--output-len takes several lengths: one process runs them all).
@@ -76,12 +77,11 @@ import tarfile
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+import _paths  # noqa: F401  (scripts/gpu and the checkout on sys.path)
+import kv_measure as KV  # scripts/kv_measure.py: the FP8-KV tables and log parsing
+import tail_table as TAIL  # scripts/tail_table.py: decode at small batch over long contexts
 
-import kv_measure as KV  # noqa: E402  (scripts/kv_measure.py: the FP8-KV tables and log parsing)
-import tail_table as TAIL  # noqa: E402  (scripts/tail_table.py: decode at small batch over long contexts)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIGS = ["bf16", "fp8_online_blockwise", "block_prequant", "fp8_channel"]
 # opt-in: FP8 KV cache
@@ -364,7 +364,8 @@ def _throughput_table(results: dict, meta: dict, output_len, several_lens: bool)
                 lines.append(f"| {cfg} | {bs} | {why} | | | | {w} | {kv} |")
                 continue
             lat = r.get("median_decode_latency")
-            lines.append(f"| {cfg} | {bs} | {_f(r.get('prefill_throughput'))} | {_f(r.get('median_decode_throughput'))} | "
+            lines.append(f"| {cfg} | {bs} | {_f(r.get('prefill_throughput'))} | "
+                         f"{_f(r.get('median_decode_throughput'))} | "
                          f"{_f(None if lat is None else lat * 1e3, '{:.2f}')} | {_f(r.get('overall_throughput'))} | "
                          f"{w} | {kv} |")
     return lines
@@ -440,13 +441,16 @@ def format_summary(results: dict, meta: dict) -> str:
 
 # --- profiler traces --------------------------------------------------------------------------------------------
 
+# First match wins. The quantizer and attention come before the FP8 GEMM: their template arguments name e4m3 too
+# (per_token_group_quant<..., __nv_fp8_e4m3>, FA3's FP8 kernel over an FP8 KV cache). The K/V write counts as attention.
 _KERNEL_CLASSES = [
-    ("fp8 gemm", r"deep_gemm|fp8_gemm|sm90_fp8|w8a8|scaled_mm|e4m3|fp8_blockwise|block_fp8|_fp8_matmul|cutlass.*fp8"),
     ("act quant", r"quant"),
-    ("norm/rope/act", r"rmsnorm|rms_norm|layernorm|norm::|rotary|rope|silu|act_and_mul|gelu"),
-    ("attention", r"attn|attention|decode_kernel|_fwd_kernel|mha|paged"),
+    ("attention", r"attn|attention|decode_kernel|_fwd_kernel|_fwd_grouped|flash::|mha|paged|store_kv|scaled_store"),
+    ("norm/rope/act", r"rmsnorm|rms_norm|layernorm|norm::|qknorm|rotary|rope|silu|act_and_mul|gelu"),
+    ("fp8 gemm", r"deep_gemm|fp8_gemm|sm90_fp8|w8a8|scaled_mm|e4m3|fp8_blockwise|block_fp8|_fp8_matmul|cutlass.*fp8"),
     ("gemm (bf16)", r"nvjet|gemm|cublas|cutlass|xmma|sm90_|matmul|Kernel2"),
     ("moe routing/align", r"topk|moe_align|moe_sum|router|expert|count_and_sort"),
+    ("moe gemm", r"fused_moe"),
 ]
 
 
@@ -458,14 +462,20 @@ def classify_kernel(name: str) -> str:
     return "other"
 
 
+def kernel_events(trace: dict):
+    """(name, duration us) of every GPU kernel event of a chrome trace (torch.profiler export), in trace order."""
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and str(ev.get("cat", "")).lower() == "kernel":
+            yield ev.get("name", "?"), float(ev.get("dur", 0.0))
+
+
 def kernel_totals(trace: dict) -> dict:
     """name -> [total_us, count] over the GPU kernel events of a chrome trace (torch.profiler export)."""
     tot = collections.defaultdict(lambda: [0.0, 0])
-    for ev in trace.get("traceEvents", []):
-        if ev.get("ph") == "X" and str(ev.get("cat", "")).lower() == "kernel":
-            t = tot[ev.get("name", "?")]
-            t[0] += float(ev.get("dur", 0.0))
-            t[1] += 1
+    for name, dur in kernel_events(trace):
+        t = tot[name]
+        t[0] += dur
+        t[1] += 1
     return dict(tot)
 
 
@@ -495,7 +505,7 @@ def load_trace(path: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the per-config subprocess: bench_one_batch with hooks (shared/gpu/bench_block.py's approach)
+# the per-config subprocess: bench_one_batch with hooks
 # ----------------------------------------------------------------------------------------------------------------
 
 def _clog(*a):
@@ -532,12 +542,12 @@ def _after_dummy_init(model):
         _clog("FP8 dummy weights left as they are (FP8RL_BENCH_REFILL != 1)")
         return
     g = torch.Generator(device=p0.device)
-    for i, (n, p) in enumerate(fp8):
+    for i, (_, p) in enumerate(fp8):
         g.manual_seed(1234 + i)
         tmp = torch.empty(p.shape, dtype=torch.float16, device=p.device).uniform_(-2.0, 2.0, generator=g)
         p.data.copy_(tmp.to(p.dtype))
         del tmp
-    for n, p in scales:
+    for _, p in scales:
         p.data.fill_(5e-4)
     torch.cuda.synchronize()
     _clog(f"refilled fp8 weights with U(-2,2) in e4m3 (nonzero fraction {nonzero(p0):.4f}), weight_scale_inv := 5e-4")
@@ -797,13 +807,14 @@ def combine(results: dict, merged: dict) -> collections.OrderedDict:
     return out
 
 
-def build_plan(args, raw: str, prof_dir: str, model_dir: str) -> list[tuple]:
-    """(label, config, backend, spec, cmd, env) per run."""
+def build_plan(args, raw: str, prof_dir: str, model_dir: str, script: str = __file__) -> list[tuple]:
+    """(label, config, backend, spec, cmd, env) per run; each cmd is ``script _child <bench_one_batch flags>`` (another
+    script's child may wrap this one's, as decode_roofline.py does)."""
     plan = []
     for label, cfg, backend in plan_runs(args.configs, args.attention_backend, args.bf16_backend):
         spec = config_spec(cfg, args.moe, backend)
         mpath = os.path.join(model_dir, spec["model"])
-        cmd = [sys.executable, os.path.abspath(__file__), "_child",
+        cmd = [sys.executable, os.path.abspath(script), "_child",
                *bench_flags(mpath, args.batch_sizes, args.input_lens, args.output_lens, args.mem_fraction_static,
                             os.path.join(raw, f"{label}.jsonl"), label, args.repeat, args.prefill_graph, backend),
                *spec["flags"]]
@@ -843,7 +854,6 @@ def main(argv=None) -> int:
     if os.path.isdir(raw):
         shutil.rmtree(raw)  # a stale raw/ from an earlier run would be packed with this one
     os.makedirs(raw)
-    sys.path.insert(0, os.path.join(HERE, "gpu"))
     import make_models  # scripts/gpu/make_models.py
 
     needed = sorted({p[3]["model"] for p in plan})

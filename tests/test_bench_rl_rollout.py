@@ -19,18 +19,18 @@ import time
 import types
 from typing import ClassVar
 
+import bench_rl_rollout as RR
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
-sys.path.insert(0, SCRIPTS)
-sys.path.insert(0, os.path.join(SCRIPTS, "gpu"))
-
-import bench_rl_rollout as RR  # noqa: E402
 
 FIXTURE = os.path.join(ROOT, "tests", "data", "rl_rollout_recorded.json")
 # the workload the fixture was recorded with
 FIXTURE_ARGS = ["--num-prompts", "8", "--input-len", "16", "--output-median", "100", "--output-cap", "400"]
+# hand-made answers of the long scale: bf16, bf16_graphs512 (0.8 x bf16's times), fp8 (0.64 x), fp8_kv (0.5 x)
+LONG_FIXTURE = os.path.join(ROOT, "tests", "data", "rl_rollout_recorded_long.json")
+LONG_ARGS = ["--scale", "long", "--num-prompts", "6"]
 
 
 def _fixture() -> dict:
@@ -71,13 +71,49 @@ def test_uniform_fixed_and_prompts():
     assert len(p) == 5 and {len(x) for x in p} == {512}
     assert all(RR.TOKEN_RANGE[0] <= t < RR.TOKEN_RANGE[1] for x in p for t in x)
     assert p == RR.prompt_ids(5, 512, seed=7) and p != RR.prompt_ids(5, 512, seed=8)
+    assert p == RR.prompt_ids(5, [512] * 5, seed=7)  # per-prompt lengths: the same ids when they are all equal
+    q = RR.prompt_ids(3, [4, 9, 1], seed=7)
+    assert [len(x) for x in q] == [4, 9, 1] and q[0] == p[0][:4]
+    with pytest.raises(ValueError):
+        RR.prompt_ids(2, [4], seed=7)
+
+
+def test_prompt_length_distributions():
+    n = 20001
+    xs = RR.input_lengths(n, "lognormal", seed=3, length=2048, sigma=0.5, lo=256, hi=8192)
+    assert statistics.median(xs) == pytest.approx(2048, rel=0.03) and min(xs) >= 256 and max(xs) == 8192
+    # P(L > hi) = P(Z > ln(8192 / 2048) / 0.5); P(L < lo) = P(Z < ln(256 / 2048) / 0.5)
+    assert sum(x == 8192 for x in xs) / n == pytest.approx(0.5 * math.erfc(math.log(4) / 0.5 / math.sqrt(2)),
+                                                          abs=0.002)
+    assert sum(x == 256 for x in xs) / n == pytest.approx(0.5 * math.erfc(math.log(8) / 0.5 / math.sqrt(2)),
+                                                         abs=0.001)
+    assert xs == RR.input_lengths(n, "lognormal", seed=3, length=2048, sigma=0.5, lo=256, hi=8192)
+    assert xs[:50] != RR.input_lengths(50, "lognormal", seed=4, length=2048, sigma=0.5, lo=256, hi=8192)
+    assert max(RR.input_lengths(500, "lognormal", 0, length=100, sigma=3.0)) > 10_000  # no upper bound given
+    u = RR.input_lengths(3000, "uniform", 0, lo=100, hi=200)
+    assert min(u) == 100 and max(u) == 200
+    assert RR.input_lengths(3, "fixed", 0, length=77, lo=100, hi=50) == [77] * 3  # bounds are for the draws
+    with pytest.raises(ValueError):
+        RR.input_lengths(3, "uniform", 0, lo=1)
+    with pytest.raises(ValueError):
+        RR.input_lengths(3, "pareto", 0)
 
 
 def test_cli_scales_and_workload():
     a = RR.parse_args([])
     assert (a.num_prompts, a.output_median, a.output_cap, a.input_len) == (384, 1500, 8192, 512)
     assert a.configs == ["bf16", "fp8"] and a.output_dist == "lognormal" and a.output_sigma == 1.0
-    assert a.mem_fraction_static is None
+    assert a.mem_fraction_static is None and a.input_dist == "fixed"
+    g = RR.parse_args(["--scale", "long"])
+    assert (g.num_prompts, g.input_dist, g.input_len, g.input_sigma, g.input_lo, g.input_hi) == (
+        192, "lognormal", 2048, 0.5, 256, 8192)
+    assert (g.output_dist, g.output_median, g.output_sigma, g.output_cap) == ("lognormal", 1500, 1.2, 16384)
+    # the docstring's token counts of the long scale (seed 0)
+    ins = RR.input_lengths(192, "lognormal", 0, length=2048, sigma=0.5, lo=256, hi=8192)
+    outs = RR.output_lengths(192, "lognormal", 16384, 0, median=1500, sigma=1.2)
+    assert (sum(ins), max(ins), sum(outs), sum(x == 16384 for x in outs)) == (449_778, 6091, 533_836, 4)
+    g = RR.parse_args(["--scale", "long", "--input-dist", "fixed", "--input-len", "4096", "--output-sigma", "1"])
+    assert (g.input_dist, g.input_len, g.output_sigma, g.output_cap) == ("fixed", 4096, 1.0, 16384)
     s = RR.parse_args(["--scale", "short"])
     assert (s.num_prompts, s.output_median, s.output_cap) == (256, 1000, 4096)
     s = RR.parse_args(["--scale", "short", "--num-prompts", "300", "--output-cap", "2048"])
@@ -85,13 +121,20 @@ def test_cli_scales_and_workload():
     assert RR.parse_args(["--model", "qwen3-30b-a3b"]).mem_fraction_static == 0.88
     w = RR.make_workload(RR.parse_args(FIXTURE_ARGS))
     assert w["max_new_tokens"] == _fixture()["max_new_tokens"]  # deterministic with the seed
+    # prompt lengths draw from a stream of their own: a seed's output lengths and first ids stay as they were
+    v = RR.make_workload(RR.parse_args([*FIXTURE_ARGS, "--input-dist", "lognormal", "--input-lo", "8"]))
+    assert v["max_new_tokens"] == w["max_new_tokens"] and len({len(x) for x in v["input_ids"]}) > 1
+    assert v["input_ids"][0][:8] == w["input_ids"][0][:8] and v["input_stats"]["n"] == 8
+    assert "8 prompts x lognormal(median 16, sigma 0.5) at least 8 random token ids" in RR.describe_workload(
+        v["spec"])
     assert len(w["input_ids"]) == 8 and {len(x) for x in w["input_ids"]} == {16}
     assert w["stats"]["total"] == sum(w["max_new_tokens"]) and w["stats"]["max"] == max(w["max_new_tokens"])
     assert RR.request_body([1, 2], 7) == {"input_ids": [1, 2], "sampling_params": {
         "max_new_tokens": 7, "temperature": 1.0, "ignore_eos": True}}
     assert "lognormal(median 100, sigma 1) capped at 400" in RR.describe_workload(w["spec"])
     for bad in (["--extra-args", "nope=--x"], ["--extra-args", "fp8"], ["--num-prompts", "0"],
-                ["--output-dist", "uniform", "--output-lo", "50", "--output-hi", "10"]):
+                ["--output-dist", "uniform", "--output-lo", "50", "--output-hi", "10"], ["--input-dist", "uniform"],
+                ["--input-lo", "300", "--input-hi", "200"], ["--scale", "long", "--input-sigma", "-1"]):
         with pytest.raises(SystemExit):
             RR.parse_args(bad)
 
@@ -116,6 +159,9 @@ def _server_parser():
 @pytest.mark.parametrize("fa3_fallback", [False, True])
 def test_server_commands_parse_with_sglang_server_args(fa3_fallback):
     """Every config's launch_server command line is accepted by SGLang 0.5.17's own ServerArgs parser."""
+    from sglang_fp8rl.compat.runtime import decode_graph_limit_fields
+    from sglang_fp8rl.server_args import FP8_DECODE_GRAPH_MAX_BS
+
     parser = _server_parser()
     args = RR.parse_args(["--configs", *RR.CONFIGS, "--extra-args", "all=--max-running-requests=512",
                           "fp8=--fp8rl-gemm-select off", "fp8_kv=--fp8rl-kv-scales=static", "--seed", "5"])
@@ -140,6 +186,9 @@ def test_server_commands_parse_with_sglang_server_args(fa3_fallback):
         assert ns.fp8rl_gemm_select == ("off" if name == "fp8" else "auto")
         assert ns.fp8rl_kv_scales == ("static" if name == "fp8_kv" else "auto")
         assert p["env"]["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "0"
+        # bf16_graphs512: the decode capture the plugin sets for FP8, in the field it sets (this release's)
+        max_field, _ = decode_graph_limit_fields(ns)
+        assert getattr(ns, max_field) == (FP8_DECODE_GRAPH_MAX_BS if name == "bf16_graphs512" else None)
     moe = RR.parse_args(["--model", "qwen3-30b-a3b", "--configs", "bf16", "--extra-args",
                          "bf16=--attention-backend flashinfer --kv-cache-dtype fp8_e4m3"])
     (p,) = RR.build_plan(moe, "/m/qwen3-30b-a3b", fa3_fallback=True)
@@ -264,6 +313,44 @@ def test_report_matches_hand_computed_values():
     assert b["max_running_requests"] == 2048 and b["retract_events"] == 1
 
 
+def _long_fixture() -> dict:
+    with open(LONG_FIXTURE) as f:
+        return json.load(f)
+
+
+def test_baseline_is_the_faster_bf16():
+    """Ratios against the faster of bf16 and bf16_graphs512 (whichever is listed first), the only one of them that
+    ran, a finished one over one that did not finish, else the first config."""
+    cfg = _long_fixture()["configs"]
+    res = RR.build_report({n: cfg[n] for n in ("fp8", "bf16", "bf16_graphs512", "fp8_kv")}, 6)
+    assert {r["baseline"] for r in res.values()} == {"bf16_graphs512"}
+    # bf16 150 s, bf16_graphs512 120 s, fp8 96 s, fp8_kv 75 s
+    assert res["fp8"]["vs_base"]["speedup"] == pytest.approx(1.25)
+    assert res["fp8_kv"]["vs_base"]["speedup"] == pytest.approx(1.6)
+    assert res["bf16"]["vs_base"]["speedup"] == pytest.approx(0.8) and res["bf16_graphs512"]["vs_base"]["p50"] == 1.0
+    assert res["fp8_kv"]["vs_base"]["kv_tokens"] == pytest.approx(811924 / 357376)
+    pick = RR.pick_baseline(res)
+    assert pick["candidates"] == {"bf16": 150.0, "bf16_graphs512": 120.0}
+    assert pick["why"] == "the faster BF16: bf16 150.0 s, bf16_graphs512 120.0 s"
+    # bf16 faster: it is the baseline
+    slow = {**cfg["bf16_graphs512"], "requests": [dict(r, done_s=r["done_s"] * 2) for r in cfg["bf16_graphs512"]
+                                                  ["requests"]]}
+    res = RR.build_report({"bf16_graphs512": slow, "bf16": cfg["bf16"], "fp8": cfg["fp8"]}, 6)
+    assert res["fp8"]["baseline"] == "bf16" and res["fp8"]["vs_base"]["speedup"] == pytest.approx(150 / 96)
+    # the faster one did not finish: the finished one is the baseline
+    cut = {**cfg["bf16_graphs512"], "requests": [dict(r, ok=False) if r["i"] == 2 else r for r in
+                                                 cfg["bf16_graphs512"]["requests"]]}
+    res = RR.build_report({"bf16": cfg["bf16"], "bf16_graphs512": cut, "fp8": cfg["fp8"]}, 6)
+    assert res["fp8"]["baseline"] == "bf16" and "bf16_graphs512 did not finish" in RR.pick_baseline(res)["why"]
+    # one BF16 config, listed last; no BF16 config at all: the first config
+    res = RR.build_report({"fp8": cfg["fp8"], "bf16_graphs512": cfg["bf16_graphs512"]}, 6)
+    assert res["fp8"]["vs_base"]["speedup"] == pytest.approx(1.25)
+    assert RR.pick_baseline(res)["why"] == "the only one of bf16 / bf16_graphs512 that ran"
+    res = RR.build_report({"fp8_kv": cfg["fp8_kv"], "fp8": cfg["fp8"]}, 6)
+    assert res["fp8"]["baseline"] == "fp8_kv" and res["fp8"]["vs_base"]["speedup"] == pytest.approx(75 / 96)
+    assert RR.pick_baseline({})["config"] is None
+
+
 def test_partial_failed_and_skipped_configs():
     records = {
         "bf16": {"requests": [{"i": 0, "ok": True, "done_s": 4.0, "output_tokens": 10},
@@ -336,6 +423,33 @@ def test_dry_run_writes_json_markdown_and_plot(tmp_path, monkeypatch, capsys):
     assert not (out / "answers.json").exists()  # only a real run records answers
 
 
+def test_dry_run_of_the_long_scale_side_by_side_configs(tmp_path, monkeypatch, capsys):
+    """--scale long with recorded answers of bf16, bf16_graphs512, fp8 and fp8_kv: lognormal prompt lengths, their
+    command lines, and a table against the faster BF16 (bf16_graphs512 here), its steps' column first."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "long"
+    assert RR.main(["--dry-run", *LONG_ARGS, "--configs", "bf16", "bf16_graphs512", "fp8", "fp8_kv", "--gpus", "0",
+                    "1", "--recorded", LONG_FIXTURE, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "--random-seed 0 --cuda-graph-max-bs 512\n" in printed
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["recorded_mismatch"] == [] and data["meta"]["workload"]["input_dist"] == "lognormal"
+    assert data["meta"]["input_lengths"]["total"] == 20_052 and data["meta"]["input_lengths"]["max"] == 6091
+    assert data["baseline"]["config"] == "bf16_graphs512"
+    assert {n: round(r["vs_base"]["speedup"], 4) for n, r in data["results"].items()} == {
+        "bf16": 0.8, "bf16_graphs512": 1.0, "fp8": 1.25, "fp8_kv": 1.6}
+    md = (out / "summary.md").read_text()
+    assert "6 prompts x lognormal(median 2048, sigma 0.5) within [256, 8192] random token ids, output lognormal(" \
+           "median 1500, sigma 1.2) capped at 16384" in md
+    assert "ratios against bf16_graphs512: the faster BF16: bf16 150.0 s, bf16_graphs512 120.0 s" in md
+    assert "| bf16 | 6/6 | 150.0 |" in md and "| fp8_kv | 6/6 | 75.0 |" in md and "speed-up vs bf16_graphs512" in md
+    assert "| running requests | bf16_graphs512: steps, ms/step, s | bf16: steps" in md
+    assert "| 1 | 1, 16.00, 0.0 | 1, 20.00, 0.0 | 1, 12.80, 0.0 | 1, 10.00, 0.0 | 0.80 | 1.25 | 1.60 |" in md
+    # bf16's capture (4 in this hand-made run) left its 5-6-request steps without a graph; graphs512's did not
+    assert data["results"]["bf16"]["no_graph_batches"] == 3
+    assert data["results"]["bf16_graphs512"]["no_graph_batches"] == 0
+
+
 def test_dry_run_survives_a_failed_plot_and_flags_a_workload_mismatch(tmp_path, monkeypatch, capsys):
     mpl = _fake_matplotlib([], fail=True)
     monkeypatch.setitem(sys.modules, "matplotlib", mpl)
@@ -346,7 +460,9 @@ def test_dry_run_survives_a_failed_plot_and_flags_a_workload_mismatch(tmp_path, 
     assert "plotting failed" in printed and "do not match this workload" in printed
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["recorded_mismatch"] and list(data["results"]) == ["fp8", "bf16"]
-    assert data["results"]["bf16"]["vs_base"]["speedup"] == pytest.approx(0.8)  # fp8 is the baseline here
+    # listed second, bf16 is still the baseline (the only BF16 config)
+    assert data["results"]["fp8"]["vs_base"]["speedup"] == pytest.approx(1.25)
+    assert data["baseline"]["config"] == "bf16" and data["results"]["bf16"]["vs_base"]["speedup"] == 1.0
     assert not (out / "completion.png").exists()
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: the numbers still come out
     assert RR.main(["--dry-run", "--out", str(out), "--configs", "bf16", *FIXTURE_ARGS]) == 0
@@ -459,6 +575,11 @@ def test_suite_stage_passes_its_arguments(tmp_path):
     assert f"--out {tmp_path}/work/rl_rollout" in line and f"--model-dir {tmp_path}/work/models" in line
     (line,) = run(RL_ARGS="--scale full")
     assert line.endswith("--scale full")
+    long_args = "--scale long --configs bf16 bf16_graphs512 fp8 fp8_kv --gpus 0 1"
+    (line,) = run(RL_ROLLOUT_ARGS=long_args)
+    assert line.endswith(long_args)
+    a = RR.parse_args(line.split("bench_rl_rollout.py", 1)[1].split())  # the stage's --scale short comes first
+    assert (a.scale, a.num_prompts, a.output_cap, a.gpus) == ("long", 192, 16384, [0, 1]) and a.deadline_s > 0
 
 
 FAKE_SERVER = r'''
@@ -584,7 +705,7 @@ def test_gpus_run_a_waves_configs_side_by_side_one_per_gpu(tmp_path, monkeypatch
 def test_dry_run_joins_the_answers_of_runs_made_one_after_another(tmp_path, monkeypatch):
     """--recorded A B: each config from the first file that has it (one config per GPU call), one table."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    data = json.loads(open(FIXTURE).read())
+    data = _fixture()
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     first.write_text(json.dumps({**data, "configs": {"bf16": data["configs"]["bf16"], "fp8": data["configs"]["fp8"]}}))
     second.write_text(json.dumps({**data, "configs": {"fp8_kv": data["configs"]["fp8_kv"],
@@ -603,7 +724,7 @@ def test_joined_report_names_each_configs_run_and_reads_gzip(tmp_path, monkeypat
     import gzip
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    data = json.loads(open(FIXTURE).read())
+    data = _fixture()
     first, second = tmp_path / "bf16.json.gz", tmp_path / "fp8.json"
     with gzip.open(first, "wt") as f:
         json.dump({**data, "configs": {"bf16": data["configs"]["bf16"]}}, f)

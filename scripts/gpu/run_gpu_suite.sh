@@ -23,12 +23,22 @@
 #             profile of bf16 and fp8_online_blockwise; TAIL_ARGS                       (~4-6 min)
 #   eager     scripts/bench_rollout.py on FA3 with --disable-cuda-graph: bf16, fp8_online_blockwise, + FP8 KV at bs 64
 #             256 384, output 128 (decode per token without graphs: verl's enforce_eager); EAGER_ARGS   (~3-4 min)
+#   roofline  scripts/decode_roofline.py: the decode step at bs 1 8 32 128 384 x context 1k 4k 12k, bf16 /
+#             fp8_online_blockwise / fp8_online_blockwise_kv on FA3 under decode CUDA graphs (prefill skipped, KV slots
+#             allocated as by a real one), against its floor (bytes / measured copy bandwidth, FLOPs / dense peak):
+#             efficiency, speed-ups over BF16, issue 35's per-step targets, a kernel breakdown of 8 x 4k and 128 x 1k;
+#             ROOFLINE_ARGS                                                              (~4-7.5 min: own call)
 #   profile   scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode --batch-sizes 64 128
 #             --output-len 256 (top decode kernels by CUDA time)                        (~1.5-2 min)
 #   moe       scripts/bench_rollout.py --moe (Qwen3-30B-A3B shapes, bs 32 64, out 512, mem 0.88) (~6-9 min: own call)
 #   server    scripts/gpu/check_server.py on qwen3-small: launch_server + weight updates over HTTP (bit-for-bit vs a
 #             cold start, 12 refused bad updates, pre-quantized FP8 by tensor / bucket / disk, 9 updates during
 #             generation); SERVER_ARGS e.g. "--moe" or "--tp-size 2"                              (~4-5 min)
+#   colocated scripts/gpu/check_colocated.py on qwen3-small: verl's colocated cycle on the stock server with
+#             --enable-memory-saver and an FP8 KV cache (release kv_cache + weights, a refused push, resume weights, W1
+#             pushed by tensor, resume kv_cache), without and with --enable-weights-cpu-backup, against a cold W1
+#             start (checksums of every parameter, FP8 pointers, KV scales, greedy outputs); three server starts;
+#             COLOCATED_ARGS e.g. "--passes backup"       (estimated ~3-4 min warm, ~6-7 min on a fresh machine: own call)
 #   broadcast scripts/gpu/check_broadcast.py (two GPUs): update_weights_from_distributed over NCCL, BF16 and FP8
 #             codes + scales, split pairs, refused broadcasts keep the group in step      (~3 min)
 #   quant     scripts/bench_quant.py --json $WORK/bench_quant.json (quantization kernel micro-benchmark)
@@ -44,8 +54,9 @@
 #   rl_rollout  scripts/bench_rl_rollout.py --scale short: an RL-shaped rollout (256 prompts x 512 random ids, lognormal
 #             outputs median 1000, cap 4096, temperature 1, ignore_eos, all submitted at once) through the stock server,
 #             bf16 then fp8, each its own server: makespan, p50/p90 completion, tok/s, KV pool, peak running, decode
-#             batches without CUDA graph, ratios vs bf16; RL_ROLLOUT_ARGS (RL_ARGS when unset), e.g. "--configs bf16
-#             fp8 fp8_kv" or "--scale full"                                             (~7-9 min: own call)
+#             batches without CUDA graph, ratios vs the faster of bf16 / bf16_graphs512; RL_ROLLOUT_ARGS (RL_ARGS when
+#             unset), e.g. "--configs bf16 fp8 fp8_kv", "--scale full", or "--scale long --configs bf16 bf16_graphs512
+#             fp8 fp8_kv --gpus 0 1 2 3" (longer prompts, output cap 16384; one config per GPU)  (~7-9 min: own call)
 # Expected times are estimates from shared/gpu/README.md's measurements (server import 24-34 s, bench_one_batch
 # 40-110 s per config), not measured with these scripts.
 #
@@ -66,7 +77,8 @@
 # stdout ends with the summary (stage table + each stage's own table).
 # Env: OUT, WORK, DEADLINE (s from start; 570), TESTS, T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
 #      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, KV_ARGS, KV_FI_ARGS, KV_ACC_ARGS, SERVER_ARGS, UPDATE_ARGS, GEMM_ARGS,
-#      STARTUP_ARGS, DEMO_ARGS, RL_ARGS, RL_ROLLOUT_ARGS (extra args per script), UPDATE_SCRIPT.
+#      STARTUP_ARGS, DEMO_ARGS, RL_ARGS, RL_ROLLOUT_ARGS, ROOFLINE_ARGS, COLOCATED_ARGS (extra args per script),
+#      UPDATE_SCRIPT.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 T0=$(date +%s)
@@ -180,6 +192,9 @@ for st in "$@"; do
         --configs bf16 fp8_online_blockwise fp8_online_blockwise_kv --batch-sizes 64 256 384 --output-len 128 \
         --extra-args=--disable-cuda-graph --out "$WORK/eager" --model-dir "$MODELS" --deadline-s $(( l - 25 )) \
         ${EAGER_ARGS:-} ;;
+    roofline)  # the decode roofline: one bench_one_batch process per config, each given at most 240 s
+      l=$(left); run_stage roofline 150 560 $PY scripts/decode_roofline.py --out "$WORK/roofline" \
+        --model-dir "$MODELS" --deadline-s $(( l - 25 )) ${ROOFLINE_ARGS:-} ;;
     profile)
       l=$(left); run_stage profile 120 400 $PY scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode \
         --batch-sizes 64 128 --output-len 256 --out "$WORK/profile" --model-dir "$MODELS" --deadline-s $(( l - 25 )) \
@@ -189,6 +204,9 @@ for st in "$@"; do
         --budget-s 240 --deadline-s $(( l - 25 )) ${MOE_ARGS:-} ;;
     kvcheck)  # FP8 KV scales: recalibrated in place == a fresh server with the same weights, per backend
       run_stage kvcheck 200 560 $PY scripts/gpu/check_kv.py --out "$WORK/kvcheck" ${KVCHECK_ARGS:-} ;;
+    colocated)  # verl's colocated cycle (memory saver, FP8 KV), without and with the CPU weight backup
+      l=$(left); run_stage colocated 200 560 $PY scripts/gpu/check_colocated.py --model-dir "$MODELS" \
+        --out "$WORK/colocated" --deadline-s $(( l - 25 )) ${COLOCATED_ARGS:-} ;;
     broadcast)  # two GPUs: /update_weights_from_distributed over NCCL, BF16 and pre-quantized FP8, refusals
       run_stage broadcast 150 480 $PY scripts/gpu/check_broadcast.py --model-dir "$MODELS" --out "$WORK/broadcast" ;;
     server)  # the script writes its model folder (qwen3-small, or qwen3-moe-small with --moe) into $MODELS
@@ -236,6 +254,7 @@ SUM=$WORK/suite_summary_$STAMP.md
                 [ -f "$WORK/accuracy/summary.md" ] && { echo; cat "$WORK/accuracy/summary.md"; } ;;
       kv_acc) [ -f "$WORK/kv_acc/summary.md" ] && { echo; cat "$WORK/kv_acc/summary.md"; } ;;
       kvcheck) [ -f "$LOGS/kvcheck.log" ] && { echo; echo "## kvcheck"; grep -E "^\|" "$LOGS/kvcheck.log"; } ;;
+      colocated) [ -f "$WORK/colocated/summary.md" ] && { echo; cat "$WORK/colocated/summary.md"; } ;;
       broadcast) [ -f "$LOGS/broadcast.log" ] && { echo; echo "## broadcast"; grep -E "^\||FAIL" "$LOGS/broadcast.log"; } ;;
       rollout|profile|moe|kv|kv_fi|tail|eager) [ -f "$WORK/$st/summary.md" ] && { echo; echo "## $st"; cat "$WORK/$st/summary.md"; }
                 [ "$st" = profile ] && [ -f "$WORK/profile/profile_top_kernels.txt" ] && head -30 "$WORK/profile/profile_top_kernels.txt" ;;
@@ -246,6 +265,7 @@ SUM=$WORK/suite_summary_$STAMP.md
       startup) [ -f "$WORK/startup/summary.md" ] && { echo; cat "$WORK/startup/summary.md"; } ;;
       rl) [ -f "$WORK/rl/summary.md" ] && { echo; cat "$WORK/rl/summary.md"; } ;;
       rl_rollout) [ -f "$WORK/rl_rollout/summary.md" ] && { echo; cat "$WORK/rl_rollout/summary.md"; } ;;
+      roofline) [ -f "$WORK/roofline/roofline.md" ] && { echo; cat "$WORK/roofline/roofline.md"; } ;;
       demo) [ -f "$LOGS/demo.log" ] && { echo; echo "## demo"; grep -E "^\[demo\] .*(healthy|FAILED)" "$LOGS/demo.log"
                 sed -n '/^== \(scheme summary\|server start-up\)/,$p' "$LOGS/demo.log" | cut -c1-250; } ;;
       gemm) [ -f "$LOGS/gemm.log" ] && { echo; echo "## gemm"; grep -E "^\||^copy" "$LOGS/gemm.log" | head -60; } ;;
@@ -260,10 +280,11 @@ for pair in rollout/results.json:rollout_results.json accuracy/accuracy.json:acc
             update/update_results.json:update_results.json startup/startup_results.json:startup_results.json \
             bench_gemm.json:bench_gemm.json rl/rl_results.json:rl_results.json rl/rl_curves.png:rl_curves.png \
             kv/results.json:kv_results.json kv_fi/results.json:kv_fi_results.json kv_acc/accuracy.json:kv_acc.json \
-            kvcheck/check_kv.json:check_kv.json broadcast/check_broadcast.json:check_broadcast.json rl_rollout/results.json:rl_rollout_results.json \
+            kvcheck/check_kv.json:check_kv.json colocated/check_colocated.json:check_colocated.json \
+            broadcast/check_broadcast.json:check_broadcast.json rl_rollout/results.json:rl_rollout_results.json \
             rl_rollout/completion.png:rl_rollout.png rl_rollout/answers.json:rl_rollout_answers.json \
             tail/results.json:tail_results.json tail/profile_top_kernels.txt:tail_profile.txt \
-            eager/results.json:eager_results.json; do
+            eager/results.json:eager_results.json roofline/roofline.json:roofline.json roofline/roofline.md:roofline.md; do
   src=$WORK/${pair%%:*}
   if [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && [ "$NCOPY" -lt 6 ]; then  # $OUT returns at most 8 files
     cp "$src" "$OUT/${pair##*:}" && NCOPY=$(( NCOPY + 1 ))
