@@ -44,7 +44,8 @@ Reported per (policy, arm): KL(BF16 || arm), token_mult_prob_error, task accurac
 close to weight-only FP8; static worse on the drifted policy; drifted == original where the design says bit-identical).
 
   python scripts/accuracy_regression.py --model /tmp/toy_policy --task addition --out /tmp/acc
-  python scripts/accuracy_regression.py --model /path/Qwen3-0.6B --prompts prompts.txt --max-new-tokens 64 --out /tmp/acc
+  python scripts/accuracy_regression.py --model /path/Qwen3-0.6B --prompts prompts.txt --max-new-tokens 64 \\
+      --out /tmp/acc
   python scripts/accuracy_regression.py --model /tmp/toy_policy --task addition --out /tmp/kv_acc \\
       --arms fp8 fp8_kv_static fp8_kv_calibrate --policies original drifted --reuse --deadline-s 540
 
@@ -66,10 +67,7 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import accuracy_kv as AK  # noqa: E402  (scripts/accuracy_kv.py: the FP8-KV arms, pure)
+import accuracy_kv as AK  # scripts/accuracy_kv.py: the FP8-KV arms, pure
 
 _CONSOLE = None
 
@@ -300,7 +298,8 @@ def format_table(res: dict, meta: dict) -> str:
         lines.append(f"| KL coverage (BF16 mass on shared top-K) min / mean | {_fmt(res['kl_coverage_min'])} / "
                      f"{_fmt(res['kl_coverage_mean'])} |")
     if "tmpe_fp8_rollout_vs_hf_bf16" in res:
-        lines.append(f"| token_mult_prob_error FP8 rollout vs HF BF16 | {_fmt(res['tmpe_fp8_rollout_vs_hf_bf16'], '{:.5f}')} |")
+        lines.append(f"| token_mult_prob_error FP8 rollout vs HF BF16 | "
+                     f"{_fmt(res['tmpe_fp8_rollout_vs_hf_bf16'], '{:.5f}')} |")
         lines.append(f"| token_mult_prob_error BF16 rollout vs HF BF16 (floor) | "
                      f"{_fmt(res['tmpe_bf16_rollout_vs_hf_bf16'], '{:.5f}')} |")
     lines.append(f"| token_mult_prob_error FP8 vs BF16 engine scoring (BF16 rollouts) | "
@@ -466,7 +465,6 @@ def hf_reference(model_dir, prompts, conts_by_name, task=None, task_problems=Non
             out[name] = res
     hf_acc = None
     if task is not None and task_problems is not None:
-        sys.path.insert(0, HERE)
         import train_toy_policy as T
 
         hf_acc, _ = T.greedy_exact_match(model, task_problems, task, torch.device("cuda"))

@@ -32,7 +32,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _paths  # noqa: F401  (this checkout's sglang_fp8rl first on sys.path)
 
 QWEN3_8B = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 MS = (1, 8, 32, 64, 96, 112, 128, 144, 192, 256)

@@ -21,19 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
 
+import _paths  # noqa: F401  (this checkout's sglang_fp8rl first on sys.path)
 import torch
 from triton.testing import do_bench
 
-# run as `python scripts/bench_quant.py` from a checkout: the package lives one directory up
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sglang_fp8rl import quant  # noqa: E402
-from sglang_fp8rl.kernels import dispatch  # noqa: E402
+from sglang_fp8rl import quant
+from sglang_fp8rl.kernels import dispatch
 
 QWEN3_8B_LAYER = {
     "qkv_proj": (6144, 4096),
@@ -95,7 +92,6 @@ def copy_bandwidth() -> float:
     src = torch.randint(0, 255, (COPY_BYTES,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src))
-    del src, dst
     return 2 * COPY_BYTES / (ms * 1e-3)
 
 

@@ -27,12 +27,10 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "gpu"))
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package, as bench_gemm.py does
-from check_server import wait_healthy  # noqa: E402  (scripts/gpu/check_server.py: polls /health_generate)
+import _paths  # noqa: F401  (scripts/gpu and the checkout on sys.path)
+from server_io import wait_healthy  # scripts/gpu/server_io.py: polls /health_generate
 
-from sglang_fp8rl.kernels import gemm_select  # noqa: E402
+from sglang_fp8rl.kernels import gemm_select
 
 COMMON = ["--load-format", "dummy", "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend",
           "pytorch", "--grammar-backend", "none", "--dtype", "bfloat16", "--host", "127.0.0.1"]

@@ -54,9 +54,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "gpu"))
-sys.path.insert(0, os.path.dirname(HERE))  # the repo root, for sglang_fp8rl when it is not installed
+import _paths  # noqa: F401  (scripts/gpu and the checkout on sys.path)
 
 GB = 1e9
 ENGINES = {"bf16": [], "fp8": ["--quantization", "fp8_online_blockwise"]}
@@ -282,7 +280,7 @@ class MemPoller:
             time.sleep(0.01)
         return int(statistics.median(vals))
 
-    def __enter__(self) -> "MemPoller":
+    def __enter__(self) -> MemPoller:
         self.peak = self.used()
 
         def loop() -> None:
@@ -326,7 +324,7 @@ def measure_d2d_copy(nbytes: int = 1 << 30, iters: int = 20) -> float:
 
 def launch(model: str, port: int, log: str, engine: str, mem: float) -> subprocess.Popen:
     """The stock launcher (the plugin arrives through SGLang's entry-point loader), in its own process group."""
-    from check_server import COMMON
+    from server_io import COMMON
 
     env = dict(os.environ, SGLANG_JIT_DEEPGEMM_PRECOMPILE="0")
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
@@ -555,7 +553,7 @@ class Bench:
         pre_used = MemPoller.used()
         proc = launch(model, a.port, os.path.join(a.out, f"server_{eng}.log"), eng, a.mem)
         try:
-            from check_server import wait_healthy
+            from server_io import wait_healthy
 
             e["startup_s"] = wait_healthy(a.port, proc, timeout=max(60.0, phase_end - time.time()))
             say(f"{eng}: healthy after {e['startup_s']:.0f} s")
@@ -595,8 +593,8 @@ class Bench:
         import torch
 
         a = self.args
-        from check_server import hf_shapes, make_w1
         from make_models import ensure
+        from server_payloads import hf_shapes, make_w1
 
         os.makedirs(a.out, exist_ok=True)
         model = ensure(a.model_dir, [a.model])[0]

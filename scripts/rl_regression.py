@@ -61,16 +61,11 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-if ROOT not in sys.path:
-    sys.path.append(ROOT)  # an installed sglang_fp8rl wins; the checkout's serves --dry-run on a bare machine
+import _paths  # noqa: F401  (the checkout's sglang_fp8rl serves --dry-run on a bare machine)
+import torch
+import train_toy_policy as T
 
-import torch  # noqa: E402
-import train_toy_policy as T  # noqa: E402
-
-from sglang_fp8rl import rollout_correction as rc  # noqa: E402
+from sglang_fp8rl import rollout_correction as rc
 
 # FP8: the toy's GEMMs are tiny, so no load-time GEMM measurement (SGLang's block-FP8 dispatch runs them) and one
 # DeepGEMM JIT worker per linear shape (qkv, o_proj, gate_up, down), which keeps a cold start short

@@ -26,10 +26,6 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-
 PORT = 30400
 GROUP_PORT = 29611
 BUCKET_BYTES = 16 << 20

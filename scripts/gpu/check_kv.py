@@ -31,15 +31,11 @@ import sys
 import time
 
 import requests
+from server_io import fp8rl_info, generate, launch, stop, wait_healthy
+from server_payloads import make_w1
+from server_report import same_outputs
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from server_io import fp8rl_info, generate, launch, stop, wait_healthy  # noqa: E402
-from server_payloads import make_w1  # noqa: E402
-from server_report import same_outputs  # noqa: E402
-
-from sglang_fp8rl.kv_scales.decode_fold import ALLOW_UNVERIFIED_ENV  # noqa: E402
+from sglang_fp8rl.kv_scales.decode_fold import ALLOW_UNVERIFIED_ENV
 
 KV_FLAGS = ("--kv-cache-dtype", "fp8_e4m3", "--disable-radix-cache")
 SAME_GEMMS = ("--fp8rl-gemm-select", "cache")  # fresh servers use the GEMM kernels server A measured (step 4)

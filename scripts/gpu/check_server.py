@@ -36,16 +36,10 @@ import sys
 import time
 from typing import Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the checkout, for sglang_fp8rl when not installed
-
-# COMMON, launch, wait_healthy, hf_shapes and make_w1 are imported from here by scripts/bench_update.py and
-# scripts/bench_startup.py
-import server_checks  # noqa: E402
-from server_io import COMMON, alive, launch, stop, wait_healthy  # noqa: E402,F401
-from server_payloads import SMALL_MOE_NAME, hf_shapes, make_w1, prepare  # noqa: E402,F401
-from server_report import NOT_OPTIMIZED, check, not_run, read_log, scheme_lines, table, write_report  # noqa: E402
+import server_checks
+from server_io import launch, stop
+from server_payloads import SMALL_MOE_NAME, prepare
+from server_report import NOT_OPTIMIZED, check, not_run, read_log, scheme_lines, table, write_report
 
 DENSE_MODEL = "qwen3-small"
 KAPI_KEYS = ("deep_gemm", "w8a8_block_fp8_matmul", "fp8_scaled_mm", "per_token_group_quant")

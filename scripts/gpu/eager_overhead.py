@@ -35,11 +35,8 @@ os.environ.setdefault("SGLANG_JIT_DEEPGEMM_PRECOMPILE", "0")  # as the plugin se
 import torch
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
-
-from sglang_fp8rl.kernels import deepgemm, gemm_select  # noqa: E402
-from sglang_fp8rl.quant import quantize_blockwise  # noqa: E402
+from sglang_fp8rl.kernels import deepgemm, gemm_select
+from sglang_fp8rl.quant import quantize_blockwise
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # (N, K)
 SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU sleep: the launch loop never waits for the device
@@ -61,6 +58,7 @@ def host_us(fn, calls: int) -> float:
 def pieces(n: int, k: int, m: int) -> dict:
     """name -> zero-argument callable of one (m, n, k) linear, for every piece this script times."""
     from sglang.srt.layers.quantization import fp8_utils
+
     from sglang_fp8rl.kernels.deepgemm import sglang_fp8_kernel
 
     dev = "cuda"
@@ -136,7 +134,8 @@ def main() -> int:
     print("\ncProfile of sglang_linear, gate_up, M 64:\n" + prof)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"rows": rows, "bit_exact": exact, "direct_reason": why_not, "profile": prof, "device": torch.cuda.get_device_name()}, f, indent=1)
+            json.dump({"rows": rows, "bit_exact": exact, "direct_reason": why_not, "profile": prof,
+                       "device": torch.cuda.get_device_name()}, f, indent=1)
     return 0
 
 

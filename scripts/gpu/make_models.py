@@ -9,15 +9,14 @@ usage: python3 scripts/gpu/make_models.py OUT_DIR [NAME ...]      (default: ever
                        vocab 151936
   qwen3-8b-block       qwen3-8b + quantization_config {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
                        "dynamic", "weight_block_size": [128, 128]}: SGLang's own pre-quantized block-FP8 path
-  qwen3-30b-a3b        Qwen3MoeForCausalLM, Qwen3-30B-A3B shape: hidden 2048, 48 layers, 32 q / 4 kv heads, head_dim 128,
-                       moe_intermediate_size 768, 128 experts, 8 per token, vocab 151936, norm_topk_prob true,
-                       decoder_sparse_step 1, mlp_only_layers []
+  qwen3-30b-a3b        Qwen3MoeForCausalLM, Qwen3-30B-A3B shape: hidden 2048, 48 layers, 32 q / 4 kv heads,
+                       head_dim 128, moe_intermediate_size 768, 128 experts, 8 per token, vocab 151936,
+                       norm_topk_prob true, decoder_sparse_step 1, mlp_only_layers []
   qwen3-30b-a3b-block  qwen3-30b-a3b + the same block-FP8 quantization_config
 
-Each folder gets the byte-level tokenizer of shared/gpu/dummy_model.py (256 byte tokens + Qwen's three special
-tokens, no merges; ids do not match real Qwen3). sglang.bench_one_batch needs *a* tokenizer to load.
-Qwen3 configs are built exactly as shared/gpu/dummy_model.py did (proven on the GPU machine); the MoE config
-passes head_dim explicitly (transformers' Qwen3MoeConfig has no head_dim default and would derive 64).
+Each folder gets a byte-level tokenizer (256 byte tokens + Qwen's three special tokens, no merges; ids do not match
+real Qwen3): sglang.bench_one_batch needs *a* tokenizer to load.
+The MoE config passes head_dim explicitly (transformers' Qwen3MoeConfig has no head_dim default and would derive 64).
 Needs transformers + tokenizers (on the GPU machine: from the wheelhouse, after `source scripts/gpu/env.sh`).
 """
 from __future__ import annotations
@@ -88,7 +87,7 @@ ALL = ["qwen3-small", "qwen3-8b", "qwen3-8b-block", "qwen3-30b-a3b", "qwen3-30b-
 
 
 def write_tokenizer(path: str) -> None:
-    """shared/gpu/dummy_model.py's byte-level tokenizer (copied: that folder does not travel to the GPU)."""
+    """Byte-level: the 256 bytes are ids 0-255 and Qwen's three special tokens 256-258; no merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -3,13 +3,13 @@
 #
 # Builds, on a CPU machine with PyPI access, the trimmed wheelhouse that lets SGLang VERSION (0.5.17 or 0.5.12; others
 # are tried but untested) run on the lent GPU machine (image: Python 3.12, torch 2.11.0+cu130, no network, no
-# sglang). Adapted from ../shared/gpu/make_wheelhouse.sh (0.5.17 only; README.md there says why each wheel is carried
-# and why each dropped file is safe). Output:
+# sglang). docs/GPU.md says why each wheel is carried and why each dropped file is safe. Output:
 #   TARGET_DIR/bundle1/*.whl, TARGET_DIR/bundle2/*.whl, ...  (each <= BUNDLE_MIB MiB; the repo's convention is
 #                                   .gpu for 0.5.17 and .gpu-VERSION for the others, both git-ignored)
 #   TARGET_DIR/bundle1/stubs/IPython/...  (tiny stub: sglang/utils.py imports IPython.display for notebooks only)
-#   TARGET_DIR/bin/                 device_env.sh, dummy_model.py (+ the 0.5.17 smoke/bench helpers for 0.5.17),
-#                                   copied from the shared GPU folder so that they travel, and MANIFEST.txt
+#   TARGET_DIR/bin/                 MANIFEST.txt (which bundle holds which wheel), SGLANG_VERSION, and copies of
+#                                   scripts/gpu/device_env.sh and fa3_parts.sh (so that .gpu/bin/device_env.sh installs
+#                                   SGLang alone, without this checkout's scripts)
 # scripts/gpu/env.sh installs it on the GPU machine: SGLANG_VERSION=VERSION source scripts/gpu/env.sh (docs/GPU.md).
 #
 # Versions: sglang==VERSION's own METADATA pins sglang-kernel (or sgl-kernel), flashinfer-python, apache-tvm-ffi,
@@ -28,13 +28,6 @@ ROOT=$(cd "$HERE/../.." && pwd)
 PY=${PYTHON:-python3}
 PINS="$ROOT/requirements/sglang-$VERSION.txt"
 [ -f "$PINS" ] || PINS=/dev/null
-SHARED=${SHARED_GPU:-}
-for d in "$ROOT/shared/gpu" "$ROOT/../shared/gpu"; do
-  [ -z "$SHARED" ] && [ -f "$d/device_env.sh" ] && SHARED=$(cd "$d" && pwd)
-done
-if [ -z "$SHARED" ] || [ ! -f "$SHARED/device_env.sh" ]; then
-  echo "no shared/gpu/device_env.sh beside the checkout: set SHARED_GPU" >&2; exit 2
-fi
 case "$VERSION" in
   0.5.17|0.5.12) ;;
   *) echo ">> warning: SGLang $VERSION is not one of the tested wheelhouses (0.5.17, 0.5.12)" >&2 ;;
@@ -176,7 +169,7 @@ KERNEL = [
     # sgl_kernel or sglang loads them (common_ops links mscclpp statically; its NEEDED list has no mscclpp)
     "_mscclpp.cpython-*.so", "lib/*mscclpp*", "include/*", "lib64/*",
 ]
-# name -> patterns of archive members to drop (see ../shared/gpu/README.md for 0.5.17)
+# name -> patterns of archive members to drop (docs/GPU.md, "Notes on the trimmed wheelhouse")
 DROP = {
     "sglang-kernel": KERNEL,
     "sgl-kernel": KERNEL,
@@ -266,7 +259,7 @@ PYEOF
 S="$TARGET/bundle1/stubs/IPython"
 mkdir -p "$S"
 cat > "$S/__init__.py" <<'EOF'
-"""Stub of IPython for sglang on the lent GPU machine (see shared/gpu/README.md).
+"""Stub of IPython for sglang on the lent GPU machine (docs/GPU.md).
 sglang/utils.py imports IPython.display at module level for notebook helpers only."""
 __version__ = "0.0.0+sglang-stub"
 def get_ipython():  # what real IPython returns outside a notebook
@@ -304,14 +297,9 @@ then
   fi
 fi
 
-# device_env.sh installs the bundles into $GPUWH_SITE (scripts/gpu/env.sh sets /tmp/site-VERSION for VERSION !=
-# 0.5.17); the smoke/bench helpers pass 0.5.17's flags, so they travel with the 0.5.17 wheelhouse only
-cp "$SHARED/device_env.sh" "$SHARED/dummy_model.py" "$TARGET/bin/"
+# copies in bin/: `source .gpu/bin/device_env.sh` installs SGLang alone (without this package), and FA3 parts packed
+# earlier (fa3_parts.sh; a rebuild rewrites only bundle*/ and bin/) are still received by `.gpu/bin/fa3_parts.sh`
+cp "$HERE/device_env.sh" "$HERE/fa3_parts.sh" "$TARGET/bin/"
 echo "$VERSION" > "$TARGET/bin/SGLANG_VERSION"
-if [ "$VERSION" = 0.5.17 ]; then
-  for f in smoke.sh smoke_client.py bench_block.sh bench_block.py gemm_micro.py gemm_dg_probe.py; do
-    [ -f "$SHARED/$f" ] && cp "$SHARED/$f" "$TARGET/bin/"
-  done
-fi
 echo ">> done: $(du -sh "$TARGET" | cut -f1) in $TARGET"
 cat "$TARGET/bin/MANIFEST.txt"

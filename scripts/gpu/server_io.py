@@ -182,7 +182,7 @@ class Traffic:
             else:
                 self.done.append(time.time())
 
-    def __enter__(self) -> "Traffic":
+    def __enter__(self) -> Traffic:
         self._thread.start()
         return self
 
