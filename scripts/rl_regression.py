@@ -5,7 +5,7 @@ One command, one GPU, <= 10 minutes. The policy is the Qwen3 toy of scripts/trai
 512; reversed-digit addition, 3-5 digit operands). The trainer is plain torch on the same GPU; rollouts come from
 `python -m sglang.launch_server ... --skip-tokenizer-init` (`/generate` with input_ids, temperature 1,
 `return_logprob`); after every optimizer step the weights are pushed with
-`sglang_fp8rl.weight_sync.client.push_state_dict` (CUDA IPC).
+`sglang_fp8rl.trainer.push_state_dict` (CUDA IPC).
 
 Arms (`--arms`; a name is a server kind, plus `_tis` for truncated importance sampling with cap `--tis-cap`):
   bf16        BF16 server, no correction (the engine-vs-trainer mismatch of an unquantized engine is not zero)
@@ -319,7 +319,7 @@ class ServerEngine:
         self.url, self.timeout = url, timeout
 
     def push(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        from sglang_fp8rl.weight_sync.client import push_state_dict
+        from sglang_fp8rl.trainer import push_state_dict
 
         torch.cuda.synchronize()  # the BF16 copies must be written before the server reads them through IPC
         push_state_dict(self.url, named)

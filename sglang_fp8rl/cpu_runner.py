@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sglang_fp8rl.compat.runtime import load_bench_model, no_graph_flags, one_batch, prefill_request
+from sglang_fp8rl.compat.versions import imports_kvcacheio_unguarded
 
 # ModelRunner on CPU: torch-native attention, a small KV pool, no CUDA graphs
 CPU_SERVER_ARGS = ("--device", "cpu", "--dtype", "bfloat16", "--mem-fraction-static", "0.05", "--max-total-tokens",
@@ -73,11 +74,7 @@ def _stub_kvcacheio() -> None:
     raise if called; a CPU engine never offloads KV to host memory."""
     if importlib.util.find_spec("sgl_kernel") is not None or "sgl_kernel" in sys.modules:
         return
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    if Version(version("sglang")) >= Version("0.5.15"):  # later releases guard the import themselves
+    if not imports_kvcacheio_unguarded():  # later releases guard the import themselves
         return
     _stub_module("sgl_kernel")
     _stub_module("sgl_kernel.kvcacheio", _FnModule, is_pkg=False)

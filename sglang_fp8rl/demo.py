@@ -13,7 +13,7 @@ model.safetensors and a word-level tokenizer, written to a temporary folder):
 4. generate again; print the tokens before and after, and the update's statistics.
 
 GPU: the stock server (``python -m sglang.launch_server ... --quantization fp8_online_blockwise``), W1 pushed as CUDA
-IPC handles by :func:`sglang_fp8rl.weight_sync.client.push_state_dict`. While the server starts, the demo reports
+IPC handles by :func:`sglang_fp8rl.trainer.push_state_dict`. While the server starts, the demo reports
 what it is doing (from its log); at the end it prints how long each start-up phase took.
 
 CPU: SGLang's own ModelRunner in this process (SGLang's HTTP server needs CUDA), W1 through SGLang's

@@ -178,7 +178,7 @@ def run_gpu(args: argparse.Namespace) -> int:
     import requests
     import torch
 
-    from sglang_fp8rl.weight_sync.client import WeightPushError, push_state_dict
+    from sglang_fp8rl.trainer import WeightPushError, push_state_dict
 
     url = f"http://127.0.0.1:{args.port}"
     ok = False

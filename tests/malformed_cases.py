@@ -21,6 +21,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from sglang_fp8rl.weight_sync.protocol import STEP_COMPLETE
+
 # a tensor of the tiny model used as the carrier of most defects, and what the engine must say
 VICTIM = "model.layers.1.mlp.down_proj.weight"  # [256, 384]: not square, so a transpose is a wrong shape
 EMBED = "model.embed_tokens.weight"
@@ -48,9 +50,6 @@ class Case:
 
 def _f8(dtype_name: str) -> Callable:
     return lambda n, t: (n, t.float().clamp(-1, 1).to(getattr(torch, dtype_name)))
-
-
-STEP_COMPLETE = "fp8rl.step_complete"  # sglang_fp8rl.weight_sync.fp8_payload.STEP_COMPLETE
 
 
 def _ending_step(make: Callable) -> Callable:

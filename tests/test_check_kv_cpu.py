@@ -32,7 +32,7 @@ def test_same_compares_ids_and_every_logprob():
 def test_check_backend_runs_end_to_end_against_stand_in_servers(tmp_path, monkeypatch):
     """The whole check with the server I/O stubbed: log paths, the verdict's inputs (a GPU run once died reading
     a log file under an old name after both servers had run)."""
-    from sglang_fp8rl.weight_sync import client
+    from sglang_fp8rl import trainer as client  # what check_kv.py imports its push from
 
     launched = []
 
@@ -73,7 +73,7 @@ def test_check_backend_runs_end_to_end_against_stand_in_servers(tmp_path, monkey
 def test_diagnosis_finds_a_k_scale_that_never_reaches_the_kernel(tmp_path, monkeypatch):
     """--diagnose against stand-in servers whose outputs follow the V scale only (the kind of fault it looks for):
     it reports the K write as ineffective, the V write as effective, the restore, and the two fresh-start checks."""
-    from sglang_fp8rl.weight_sync import client
+    from sglang_fp8rl import trainer as client  # what check_kv.py imports its push from
 
     pushed = {}
     monkeypatch.setattr(check_kv, "launch", lambda model, port, log, *flags, mem, env_extra=None: (

@@ -70,6 +70,6 @@ def test_the_suites_step_marker_is_the_packages():
     """The marker the lone-half cases end their step with is the name the engine knows."""
     import malformed_cases
 
-    from sglang_fp8rl.weight_sync.fp8_payload import STEP_COMPLETE
+    from sglang_fp8rl.weight_sync.protocol import STEP_COMPLETE
 
     assert malformed_cases.STEP_COMPLETE == STEP_COMPLETE

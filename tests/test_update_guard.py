@@ -10,8 +10,8 @@ import torch
 
 from sglang_fp8rl.hooks import scheduler as scheduler_hooks
 from sglang_fp8rl.hooks import tokenizer as tokenizer_hooks
+from sglang_fp8rl.parallel import Verdict, combine
 from sglang_fp8rl.weight_sync import guard, update
-from sglang_fp8rl.weight_sync.consensus import Verdict, combine
 from sglang_fp8rl.weight_sync.request import Validated
 from sglang_fp8rl.weight_sync.validate import UpdateRejected
 

@@ -98,7 +98,7 @@ def test_an_empty_flattened_bucket_is_a_no_op(models):
     assert out["ptrs_before"] == out["ptrs_after"] and out["state"]["consistent"]
 
 
-MARKER = ("fp8rl.step_complete", torch.zeros(()))  # the step-complete control entry (weight_sync/fp8_payload.py)
+MARKER = ("fp8rl.step_complete", torch.zeros(()))  # the step-complete control entry (weight_sync/protocol.py)
 
 
 def bad_requests(models) -> list[tuple[str, dict, str]]:

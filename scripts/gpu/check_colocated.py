@@ -91,7 +91,7 @@ def push(port: int, weights: Any) -> dict:
     """verl's sync by tensor: plain buckets (no validation round, no step marker), then an explicit /flush_cache."""
     from server_io import flush_cache
 
-    from sglang_fp8rl.weight_sync.client import WeightPushError, push_state_dict
+    from sglang_fp8rl.trainer import WeightPushError, push_state_dict
 
     t0 = time.perf_counter()
     try:

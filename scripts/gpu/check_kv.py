@@ -77,7 +77,7 @@ def scale_probe(port: int, layer: str, scales: dict, baseline: list) -> dict:
     """Step 5: one layer's K, then V scale x64 and back, by trainer-sent scales; which of them move the outputs."""
     import torch
 
-    from sglang_fp8rl.weight_sync.client import push_state_dict
+    from sglang_fp8rl.trainer import push_state_dict
 
     url, found = f"http://127.0.0.1:{port}", {}
     k, v = scales[layer]
@@ -103,7 +103,7 @@ def fresh_server(model: str, port: int, log: str, flags: tuple, env_extra: dict)
 
 def check_backend(backend: str, out: str, w0: str, w1: str, sd1: dict, port: int, kv_write: str = "sglang",
                   diagnose: bool = False) -> dict:
-    from sglang_fp8rl.weight_sync.client import push_state_dict, recalibrate_kv_scales
+    from sglang_fp8rl.trainer import push_state_dict, recalibrate_kv_scales
 
     # a backend not verified yet needs the verification switch to calibrate (this check is that verification)
     env_extra = {"SGLANG_FLASHINFER_USE_PAGED": "1"} if backend == "flashinfer" else {}

@@ -21,7 +21,7 @@ from server_payloads import (
 )
 from server_report import Check, check, max_logprob_diff, not_run, refusal, same_outputs
 
-from sglang_fp8rl.weight_sync.client import WeightPushError
+from sglang_fp8rl.trainer import WeightPushError
 
 TENSOR, DISK = "/update_weights_from_tensor", "/update_weights_from_disk"
 BUCKET_BYTES = 512 << 20

@@ -172,6 +172,18 @@ def decode_graph_limit_fields(namespace: Any) -> tuple[str, str]:
     return "cuda_graph_max_bs", "cuda_graph_bs"
 
 
+def decode_graph_max_to_fill(namespace: Any) -> str | None:
+    """The decode CUDA-graph max-batch field of a parsed command line that is ours to set, or None where the command
+    line sets the decode capture itself or has no such field. What sets it, by release: the max batch and the batch
+    list (:func:`decode_graph_limit_fields`) and ``disable_cuda_graph`` in every release; ``cuda_graph_config``,
+    ``cuda_graph_backend_decode`` and ``disable_decode_cuda_graph`` from 0.5.15 (one setting per phase)."""
+    max_field, list_field = decode_graph_limit_fields(namespace)
+    user_set = any(getattr(namespace, name, None) not in (None, False) for name in (
+        max_field, list_field, "cuda_graph_config", "cuda_graph_backend_decode", "disable_cuda_graph",
+        "disable_decode_cuda_graph"))
+    return None if user_set or not hasattr(namespace, max_field) else max_field
+
+
 def decode_graph_flags(batch_sizes: Sequence[int] | None = None, max_bs: int | None = None) -> list[str]:
     """launch_server flags that capture decode CUDA graphs for ``batch_sizes`` (or SGLang's sizes up to ``max_bs``;
     its defaults when both are None) and turn the prefill CUDA graph off, named after the installed ServerArgs'
@@ -297,6 +309,13 @@ def deepgemm_linear_is_quant_then_gemm(fn: Any) -> bool:
         return tuple(inspect.signature(fn).parameters) == DEEPGEMM_LINEAR_PARAMS
     except (TypeError, ValueError):
         return False
+
+
+def internal_state_dict(answer: Any) -> dict:
+    """The state dict in ``Scheduler.get_internal_state``'s answer (one entry of ``/get_server_info``'s
+    ``internal_states``): ``GetInternalStateReqOutput.internal_state`` in every supported release (0.5.12+); the answer
+    itself, a plain dict, in the releases before."""
+    return answer.internal_state if hasattr(answer, "internal_state") else answer
 
 
 def ready_for_forward(runner: Any) -> None:

@@ -7,9 +7,11 @@ change is handled too; the release named in each docstring is where the supporte
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
-from typing import Any, Optional
+import io
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -177,3 +179,41 @@ def flush_handler_scheduler(handler_owner: Any) -> Any:
     0.5.15 the ``SchedulerFlushWrapper``, which keeps no reference to it but holds its bound ``flush_cache``."""
     flush = getattr(handler_owner, "_flush_cache", None)
     return getattr(flush, "__self__", handler_owner)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the trainer's side (imports no SGLang module: the client runs in the trainer's process)
+
+
+def engine_session_call(engine: Any, name: str) -> Optional[Callable[[], Any]]:
+    """An ``sglang.Engine``'s weight-update session method ``name`` (``begin_weight_update`` /
+    ``end_weight_update``): from 0.5.21; None before, where engines have no sessions (a server answers 404 on the
+    route instead)."""
+    return getattr(engine, name, None)
+
+
+class _StorageBytes:
+    """A host storage pickled as its bytes (``torch.storage._load_from_bytes``)."""
+
+    def __init__(self, storage: torch.TypedStorage):
+        self.storage = storage
+
+    def __reduce__(self) -> tuple[Callable, tuple]:
+        buf = io.BytesIO()
+        torch.save(self.storage, buf)
+        return torch.storage._load_from_bytes, (buf.getvalue(),)
+
+
+def reduce_host_tensor(tensor: torch.Tensor) -> tuple[Callable, tuple]:
+    """A host tensor in an update payload, as every supported release's receiving side takes it: its bytes as a
+    storage (:class:`_StorageBytes`), rebuilt by torch's plain ``_rebuild_tensor_v3``. From 0.5.21 SGLang's safe
+    unpickler refuses a whole pickled tensor; older releases take this form too. (torch's shared-memory reduction
+    passes a file descriptor that only processes of the sender's multiprocessing family may fetch, which an engine
+    started on its own is not.)"""
+    t = tensor.detach().contiguous()
+    if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()  # send only this tensor's bytes, not the rest of a larger storage it views
+    # bytes as a uint8 storage (torch cannot save an FP8 storage), typed again on arrival by _rebuild_tensor_v3
+    storage = torch.TypedStorage(wrap_storage=t.untyped_storage(), dtype=torch.uint8, _internal=True)
+    return torch._utils._rebuild_tensor_v3, (_StorageBytes(storage), 0, tuple(t.shape), t.stride(), False,
+                                             collections.OrderedDict(), t.dtype)

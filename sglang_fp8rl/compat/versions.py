@@ -18,6 +18,15 @@ def installed_sglang() -> str:
         raise RuntimeError("SGLang is not installed") from e
 
 
+def imports_kvcacheio_unguarded(installed: str | None = None) -> bool:
+    """Whether SGLang imports ``sgl_kernel.kvcacheio`` (host KV offload copies, CUDA-only) at module level on every
+    non-NPU/XPU/MPS device: 0.5.12-0.5.14; 0.5.15 guards the import. Read from the installed version, not the feature:
+    the answer is needed before SGLang can be imported (cpu_runner.py stubs the module on CPU)."""
+    from packaging.version import Version
+
+    return Version(installed_sglang() if installed is None else installed) < Version("0.5.15")
+
+
 def check_sglang_version(installed: str | None = None) -> str:
     """Return the installed SGLang version; RuntimeError naming it and the supported ones if it is not supported."""
     installed = installed_sglang() if installed is None else installed

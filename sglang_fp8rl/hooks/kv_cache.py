@@ -27,6 +27,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang_fp8rl.compat import updates
+from sglang_fp8rl.compat.kv_pool import (
+    kv_pool_layout,
+    kv_pool_quantized,
+    kv_write_location,
+    kv_write_overrides,
+    stores_kv_like_mha,
+)
 from sglang_fp8rl.compat.runtime import ready_for_forward
 from sglang_fp8rl.kv_scales import resolve_kv_scale_mode
 from sglang_fp8rl.kv_scales.calibrate import recalibrate
@@ -35,8 +42,8 @@ from sglang_fp8rl.kv_scales.engine import batch_within, calibration_batch, kv_st
 from sglang_fp8rl.kv_scales.forward import TPStages
 from sglang_fp8rl.kv_scales.layers import attach_scales, read_scales
 from sglang_fp8rl.kv_scales.numerics import saturating_scale_
+from sglang_fp8rl.parallel import Verdict, agree, tp_device_group
 from sglang_fp8rl.server_args import get_options
-from sglang_fp8rl.weight_sync.consensus import Verdict, agree
 from sglang_fp8rl.weight_sync.update import EVERYTHING, engine_state, is_attached
 
 logger = logging.getLogger(__name__)
@@ -57,14 +64,6 @@ def set_up_kv_scales(runner: Any) -> None:
     ids, source = calibration_batch(get_options().kv_calibration, tokenizer, runner.model_config.vocab_size,
                                     runner.model_config.context_len)
     set_up(mode, ids, source, explicit=option == "calibrate", fused_write=get_options().kv_write == "fused")
-
-
-def tp_device_group() -> Optional[Any]:
-    """The TP group of device tensors (for the amax all-reduce), None with a single rank."""
-    from sglang.srt.distributed import parallel_state
-
-    group = parallel_state.get_tp_group()
-    return group.device_group if group.world_size > 1 else None
 
 
 def calibrate_now(runner: Any) -> None:
@@ -193,11 +192,11 @@ def fused_write_reason(pool: Any, layer_index: int, k: Any, v: Any, k_scale: Any
         return "--fp8rl-kv-write sglang"
     if kv_state().policy.scale_format != "pow2":
         return "KV scale format is not pow2 (the kernel is bit-exact for power-of-two scales)"
-    if any(value is not None for value in extra.values()) or getattr(pool, "is_quantized_kv_cache", False):
+    if any(value is not None for value in extra.values()) or kv_pool_quantized(pool):
         return "a DCP mask, a layer override or an FP4 cache"
-    if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
-        return f"KV cache layout {getattr(pool, 'kv_cache_layout', 'hnd')!r} (the kernel writes NHD rows)"
-    if type(pool)._store_kv_layer.__qualname__ != "MHATokenToKVPool._store_kv_layer":
+    if kv_pool_layout(pool) != "nhd":
+        return f"KV cache layout {kv_pool_layout(pool)!r} (the kernel writes NHD rows)"
+    if not stores_kv_like_mha(pool):
         return f"{type(pool).__name__} stores its layers its own way"
     if _async_asserts_on():
         return "SGLANG_ENABLE_ASYNC_ASSERT (SGLang's out-of-range slot check runs only on its own path)"
@@ -226,17 +225,13 @@ _LOGGED_WRITE_PATHS: set = set()
 
 def write_fused(pool: Any, arguments: dict) -> bool:
     """Write a call's K/V with the one-launch kernel where it can run; False, with nothing written, where not."""
-    from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
-
-    layer = arguments.get("layer")
-    loc_info = arguments.get("loc_info", arguments.get("loc"))
-    if layer is None or loc_info is None:
+    layer, loc = arguments.get("layer"), kv_write_location(arguments)
+    if layer is None or loc is None:
         _log_write_path("a call without a layer object or write location")
         return False
-    loc, index = unwrap_write_loc(loc_info)[0], layer.layer_id - pool.start_layer
+    index = layer.layer_id - pool.start_layer
     k, v, k_scale, v_scale = (arguments[name] for name in ("cache_k", "cache_v", "k_scale", "v_scale"))
-    extra = {name: arguments.get(name) for name in ("layer_id_override", "dcp_kv_mask")}
-    reason = fused_write_reason(pool, index, k, v, k_scale, v_scale, loc, extra)
+    reason = fused_write_reason(pool, index, k, v, k_scale, v_scale, loc, kv_write_overrides(arguments))
     _log_write_path(reason)
     if reason is not None:
         return False

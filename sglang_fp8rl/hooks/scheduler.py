@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
+from sglang_fp8rl.compat.runtime import internal_state_dict
 from sglang_fp8rl.hooks.memory import released_message
 from sglang_fp8rl.kv_scales.calibrate import kv_scale_record
 from sglang_fp8rl.kv_scales.engine import describe, kv_state
@@ -50,9 +51,7 @@ def wrap_internal_state(original: Callable) -> Callable:
         result = original(self, *args, **kwargs)
         model = getattr(getattr(getattr(self, "tp_worker", None), "model_runner", None), "model", None)
         if model is not None and is_attached(model):
-            # 0.5.17 returns GetInternalStateReqOutput(internal_state=dict); older versions a plain dict
-            state = result.internal_state if hasattr(result, "internal_state") else result
-            state["fp8rl"] = telemetry(model)
+            internal_state_dict(result)["fp8rl"] = telemetry(model)
         return result
 
     return get_internal_state

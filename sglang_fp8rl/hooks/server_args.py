@@ -7,7 +7,7 @@ import argparse
 import logging
 from typing import Any
 
-from sglang_fp8rl.compat.runtime import decode_graph_limit_fields, decode_graphs_off
+from sglang_fp8rl.compat.runtime import decode_graph_max_to_fill, decode_graphs_off
 from sglang_fp8rl.layers.config import refuse_unsupported_setup
 from sglang_fp8rl.server_args import (
     FP8_DECODE_GRAPH_MAX_BS,
@@ -29,11 +29,8 @@ def fit_decode_graphs_to_capacity(args: argparse.Namespace) -> None:
     Qwen3-8B shapes, docs/RESULTS.md 17a), so a whole RL rollout batch can run at once, past SGLang's default capture
     (256 on an 80 GB GPU below TP 4), where decode runs eagerly. SGLang sizes its memory reserve from this limit, so
     the larger graphs are accounted for."""
-    max_field, list_field = decode_graph_limit_fields(args)
-    user_set = any(getattr(args, name, None) not in (None, False) for name in (
-        max_field, list_field, "cuda_graph_config", "cuda_graph_backend_decode", "disable_cuda_graph",
-        "disable_decode_cuda_graph"))
-    if user_set or not hasattr(args, max_field):
+    max_field = decode_graph_max_to_fill(args)
+    if max_field is None:
         return
     setattr(args, max_field, FP8_DECODE_GRAPH_MAX_BS)
     logger.info("[fp8rl] decode CUDA graphs captured up to batch %d (FP8 weights/KV admit more running requests than "

@@ -2,7 +2,7 @@
 
 SGLang's ``/health`` generates one token and calls the server healthy as soon as *any* output arrives; while the
 engine refuses to serve, the refusals themselves are outputs. So the HTTP process reads each weight-update answer:
-one that says the engine is inconsistent (:data:`sglang_fp8rl.weight_sync.guard.INCONSISTENT_MARK`) puts the server
+one that says the engine is inconsistent (:data:`sglang_fp8rl.weight_sync.protocol.INCONSISTENT_MARK`) puts the server
 status back to ``Starting`` (``/health``: 503 at once); the first answer that does not brings it back ``Up``.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sglang_fp8rl.weight_sync.guard import INCONSISTENT_MARK
+from sglang_fp8rl.weight_sync.protocol import INCONSISTENT_MARK
 
 UPDATE_METHODS = ("update_weights_from_tensor", "update_weights_from_distributed", "update_weights_from_disk",
                   "update_weights_from_ipc")

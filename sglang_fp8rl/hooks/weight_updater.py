@@ -34,15 +34,10 @@ from sglang_fp8rl.compat.updates import (
 )
 from sglang_fp8rl.hooks.memory import weights_released_error
 from sglang_fp8rl.weight_sync import guard
-from sglang_fp8rl.weight_sync.fp8_payload import (
-    CONTROL_PREFIX,
-    STEP_COMPLETE,
-    attach_scales,
-    pair_stream,
-    split_control,
-)
+from sglang_fp8rl.weight_sync.fp8_payload import attach_scales, pair_stream, split_control
 from sglang_fp8rl.weight_sync.halves import check_held_halves
 from sglang_fp8rl.weight_sync.kv_updates import prepare_kv_scales, split_kv_scales, write_kv_scales
+from sglang_fp8rl.weight_sync.protocol import CONTROL_PREFIX, STEP_COMPLETE, VALIDATE_ONLY
 from sglang_fp8rl.weight_sync.request import validate_request, validate_stream
 from sglang_fp8rl.weight_sync.step import current_step
 from sglang_fp8rl.weight_sync.update import apply_validated, is_attached, original_load_weights, validated_stream
@@ -50,9 +45,8 @@ from sglang_fp8rl.weight_sync.validate import WIRE_DTYPES, NamedTensors, UpdateR
 
 logger = logging.getLogger(__name__)
 
-FLATTENED_BUCKET = "flattened_bucket"
-VALIDATE_ONLY = "fp8rl.validate"  # a (name, tensor) list to validate on every rank, writing nothing
-TENSOR_FORMATS = (None, FLATTENED_BUCKET, VALIDATE_ONLY)
+FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format of one flattened tensor with metadata (not ours)
+TENSOR_FORMATS = (None, FLATTENED_BUCKET, VALIDATE_ONLY)  # VALIDATE_ONLY: validated on every rank, nothing written
 
 
 class UndecodablePayload(list):

@@ -24,7 +24,7 @@ import torch
 from sglang_fp8rl.compat.runtime import allocated_kv_len, extend_forward_batch, prefill_request, req_pool_index
 from sglang_fp8rl.kv_scales.layers import attention_layers
 from sglang_fp8rl.kv_scales.observer import KVAmaxObserver, observing
-from sglang_fp8rl.weight_sync.consensus import Verdict, agree
+from sglang_fp8rl.parallel import Verdict, agree
 
 logger = logging.getLogger(__name__)
 

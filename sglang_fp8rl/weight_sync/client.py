@@ -18,7 +18,6 @@ broadcast, where the engine waits for every announced tensor.
 from __future__ import annotations
 
 import base64
-import collections
 import io
 import logging
 import os
@@ -29,8 +28,10 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
+from sglang_fp8rl.compat.updates import reduce_host_tensor
 from sglang_fp8rl.quant import extremes, extremes_finite_in_bf16
 from sglang_fp8rl.weight_sync.errors import WeightPushError
+from sglang_fp8rl.weight_sync.protocol import SCALE_SUFFIX, STEP_COMPLETE, VALIDATE_ONLY
 from sglang_fp8rl.weight_sync.session import step_session
 
 logger = logging.getLogger(__name__)
@@ -43,9 +44,6 @@ DEFAULT_BUCKET_BYTES = 512 << 20
 DEFAULT_TIMEOUT_S = 600.0
 SENDABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_CODES = torch.float8_e4m3fn  # sent only with its `<name>_scale_inv` (float32 block scales), in the same bucket
-SCALE_SUFFIX = "_scale_inv"
-VALIDATE_ONLY = "fp8rl.validate"  # load_format of the first phase of an all-or-nothing step (hooks/weight_updater.py)
-STEP_COMPLETE = "fp8rl.step_complete"  # control entry marking the last request of a step (weight_sync/fp8_payload.py)
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 # torch's reduce_tensor argument that holds a CUDA tensor's device index (SGLang sends the device UUID there)
 _DEVICE_ARG = 6
@@ -140,37 +138,11 @@ def _tp_size(url: str, timeout: float) -> int:
 # payload (SGLang's format, without patching torch for the whole process)
 
 
-class _StorageBytes:
-    """A host storage pickled as its bytes (``torch.storage._load_from_bytes``): the one way of sending bytes that
-    SGLang's safe unpickler accepts from 0.5.21 (it refuses a whole tensor there, and older releases take this too)."""
-
-    def __init__(self, storage: torch.TypedStorage):
-        self.storage = storage
-
-    def __reduce__(self) -> tuple[Callable, tuple]:
-        buf = io.BytesIO()
-        torch.save(self.storage, buf)
-        return torch.storage._load_from_bytes, (buf.getvalue(),)
-
-
-def _reduce_host_tensor(tensor: torch.Tensor) -> tuple[Callable, tuple]:
-    """A host tensor as its bytes, rebuilt by torch's plain ``_rebuild_tensor_v3`` (torch's shared-memory reduction
-    passes a file descriptor that only processes of the sender's multiprocessing family may fetch, which an engine
-    started on its own is not)."""
-    t = tensor.detach().contiguous()
-    if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone()  # send only this tensor's bytes, not the rest of a larger storage it views
-    # bytes as a uint8 storage (torch cannot save an FP8 storage), typed again on arrival by _rebuild_tensor_v3
-    storage = torch.TypedStorage(wrap_storage=t.untyped_storage(), dtype=torch.uint8, _internal=True)
-    return torch._utils._rebuild_tensor_v3, (_StorageBytes(storage), 0, tuple(t.shape), t.stride(), False,
-                                             collections.OrderedDict(), t.dtype)
-
-
 def _reduce_tensor(tensor: torch.Tensor) -> tuple[Callable, tuple]:
     """A CUDA tensor: torch's IPC reduction with the device index replaced by the device's UUID. Any other tensor:
-    its bytes (:func:`_reduce_host_tensor`)."""
+    its bytes, in the form every supported release's unpickler takes (:func:`compat.updates.reduce_host_tensor`)."""
     if not tensor.is_cuda:
-        return _reduce_host_tensor(tensor)
+        return reduce_host_tensor(tensor)
     reduce = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)  # SGLang may have patched it
     rebuild, args = reduce(tensor)
     uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)

@@ -8,8 +8,9 @@ and re-quantize the BF16 value of the codes elsewhere (layers/fp8_storage.py). R
 without its scale or a scale without its weight, a scale of the wrong dtype or shape, a scale that is NaN, Inf, 0 or
 negative, codes holding the NaN encoding (0x7F / 0xFF), FP8 dtypes other than E4M3 (the dtype check).
 
-Control entries (names starting with ``fp8rl.``) carry no weights: :data:`STEP_COMPLETE` marks the last request of a
-trainer step (the client sends it).
+Control entries (names starting with ``fp8rl.``) carry no weights: ``STEP_COMPLETE`` marks the last request of a
+trainer step (the client sends it). Their names, and the scale suffix, are the wire protocol's
+(:mod:`sglang_fp8rl.weight_sync.protocol`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,9 @@ import torch
 
 from sglang_fp8rl.layers.fp8_storage import SCALE_ATTR
 from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE, FP8_DTYPE, blockwise_scale_shape
+from sglang_fp8rl.weight_sync.protocol import CONTROL_NAMES, CONTROL_PREFIX, SCALE_SUFFIX
 from sglang_fp8rl.weight_sync.validate import UpdateRejected
 
-SCALE_SUFFIX = "_scale_inv"
-CONTROL_PREFIX = "fp8rl."
-STEP_COMPLETE = CONTROL_PREFIX + "step_complete"
-CONTROL_NAMES = (STEP_COMPLETE,)
 _NAN_CODE = 0x7F  # E4M3FN has no Inf; S.1111.111 (0x7F, 0xFF) is its only NaN
 
 

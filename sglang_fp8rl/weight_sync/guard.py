@@ -2,8 +2,8 @@
 
 Every SGLang update entry point (:mod:`sglang_fp8rl.hooks.weight_updater`) hands this module two functions:
 ``prepare`` (obtain the request's tensors from its transport and validate them; nothing is written) and ``write``.
-:func:`run` calls them in order with a TP agreement after each (:mod:`.consensus`), so that all ranks apply an
-update or none does, and turns every outcome into SGLang's ``(success, message)`` answer:
+:func:`run` calls them in order with a TP agreement after each (:mod:`sglang_fp8rl.parallel`), so that all ranks apply
+an update or none does, and turns every outcome into SGLang's ``(success, message)`` answer:
 
 * anything raised by ``prepare`` is a rejection, on every rank: nothing was written, the previous weights stay;
 * anything raised by ``write`` (a device error: the content was validated) marks the tensors being written dirty on
@@ -23,8 +23,9 @@ from typing import Callable, Optional
 
 import torch
 
-from sglang_fp8rl.weight_sync.consensus import Verdict, agree
+from sglang_fp8rl.parallel import Verdict, agree
 from sglang_fp8rl.weight_sync.fp8_payload import Pairing, without_partners
+from sglang_fp8rl.weight_sync.protocol import ANSWER_MARK, INCONSISTENT_MARK
 from sglang_fp8rl.weight_sync.request import Validated
 from sglang_fp8rl.weight_sync.step import Commit, apply_commit, current_step, end_step, some_names
 from sglang_fp8rl.weight_sync.update import UpdateStats, engine_state, model_device, new_stats, peak_memory, record
@@ -32,12 +33,10 @@ from sglang_fp8rl.weight_sync.validate import UpdateRejected
 
 logger = logging.getLogger(__name__)
 
-# in every answer given while the engine is inconsistent (the HTTP process reads it: hooks/tokenizer.py)
-INCONSISTENT_MARK = "[fp8rl: engine inconsistent]"
-REJECTED = "[fp8rl] update rejected, nothing was written, previous weights kept: "
+REJECTED = f"{ANSWER_MARK} update rejected, nothing was written, previous weights kept: "
 HELD = "FP8 halves held for their partner: "
-INCOMPLETE = "[fp8rl] weight-update step ended incomplete: "
-VALIDATED = "[fp8rl] validated, nothing written (validate-only request)"
+INCOMPLETE = f"{ANSWER_MARK} weight-update step ended incomplete: "
+VALIDATED = f"{ANSWER_MARK} validated, nothing written (validate-only request)"
 PARTIAL = f"{INCONSISTENT_MARK} the engine holds a mix of old and new weights and refuses to serve until the " \
           "tensors of the failed update are re-sent: "
 

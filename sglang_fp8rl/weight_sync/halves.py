@@ -21,7 +21,8 @@ from sglang_fp8rl.layers.fp8_storage import layer_state
 from sglang_fp8rl.layers.moe import EXPERT_WEIGHTS, unquantized_expert_shape
 from sglang_fp8rl.layers.placement import placement_for_layer
 from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE, blockwise_scale_shape
-from sglang_fp8rl.weight_sync.fp8_payload import SCALE_SUFFIX, weight_of
+from sglang_fp8rl.weight_sync.fp8_payload import weight_of
+from sglang_fp8rl.weight_sync.protocol import SCALE_SUFFIX
 from sglang_fp8rl.weight_sync.validate import (
     DRY_RUN_ERRORS,
     UpdateRejected,

@@ -13,7 +13,9 @@ import contextlib
 import logging
 from typing import Any, Iterator
 
+from sglang_fp8rl.compat.updates import engine_session_call
 from sglang_fp8rl.weight_sync.errors import WeightPushError
+from sglang_fp8rl.weight_sync.protocol import ANSWER_MARK
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ def _call(target: Any, route: str, timeout: float) -> tuple[bool, str] | None:
         except ValueError:
             raise SessionError(f"/{route} answered HTTP {response.status_code}: {response.text[:2000]}") from None
         return bool(body.get("success")), str(body.get("message", ""))
-    method = getattr(target, route, None)
+    method = engine_session_call(target, route)
     if method is None:
         return None
     answer = method()
@@ -63,7 +65,7 @@ def begin(target: Any, timeout: float) -> bool:
         ok, message = _call(target, BEGIN, timeout) or (False, "the engine stopped answering /begin_weight_update")
     if not ok:
         raise SessionError(f"/{BEGIN} refused: {message}")
-    if message and "[fp8rl]" in message:  # the engine abandoned a step left open: what it dropped
+    if message and ANSWER_MARK in message:  # the engine abandoned a step left open: what it dropped
         logger.warning("[fp8rl] /%s: %s", BEGIN, message)
     return True
 

@@ -22,7 +22,7 @@ import torch
 
 from sglang_fp8rl.kernels.dispatch import check_nonfinite_flag
 from sglang_fp8rl.layers.fp8_storage import copy_pairs, layer_state, prevalidated_writes, write_planned
-from sglang_fp8rl.weight_sync.consensus import Verdict, agree
+from sglang_fp8rl.parallel import Verdict, agree
 from sglang_fp8rl.weight_sync.fp8_payload import attach_scales, pair_stream
 from sglang_fp8rl.weight_sync.request import Destinations, Unwritten, Validated, validate_request
 from sglang_fp8rl.weight_sync.validate import NamedTensors, UpdateRejected, request_bytes

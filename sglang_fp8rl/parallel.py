@@ -1,11 +1,14 @@
-"""One verdict for all tensor-parallel ranks: an update is applied everywhere or nowhere.
+"""SGLang's tensor-parallel groups, and one verdict for all TP ranks: an update is applied everywhere or nowhere.
 
 Each TP rank validates and writes its own shard. A rank-local failure (out of memory in a dry-run scratch, a device
 error while writing) must not leave ranks on different weights, or the next all-reduce mixes two policies, or hangs
 when the failed rank refuses requests the others schedule. So every guarded update exchanges its local verdict over
 SGLang's TP CPU group (gloo) twice: after validation (any rank rejects: every rank rejects, nothing is written) and
 after writing (any rank failed: every rank is marked inconsistent). Every rank makes the same exchanges in the same
-order whatever happens locally, so the exchanges always pair up.
+order whatever happens locally, so the exchanges always pair up. The KV-scale calibration agrees the same way at
+each of its stages (kv_scales/forward.py) and all-reduces its amax over the TP device group (:func:`tp_device_group`).
+
+Imports nothing of ours: both ``weight_sync/`` and ``kv_scales/`` use it (docs/ARCHITECTURE.md, layers).
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ def tp_cpu_group() -> Optional[Any]:
         return None
     group = parallel_state.get_tp_group()
     return group.cpu_group if group.world_size > 1 else None
+
+
+def tp_device_group() -> Optional[Any]:
+    """The TP group of device tensors (for the amax all-reduce), None with a single rank."""
+    from sglang.srt.distributed import parallel_state
+
+    group = parallel_state.get_tp_group()
+    return group.device_group if group.world_size > 1 else None
 
 
 def combine(verdicts: list[Verdict]) -> Verdict:
