@@ -30,6 +30,15 @@ both engines; it is also saved once as safetensors under OUT/tmp/w1 for the disk
 the first server starts; deleted at the end unless --keep-tmp). The pre-quantized payload is built from it on the
 GPU before the FP8 engine's prequant path and freed after it.
 
+Scale-out (issue 36; scripts/update_scaleout.py): ``--tp-size N`` runs both engines at TP N on GPUs 0..N-1;
+  broadcast      ``push_distributed`` from this process as the trainer (rank 0 of an update group over NCCL, on a GPU
+                 outside the engine's: ``--trainer-gpu``), ``init_update_group`` once per engine       (both engines)
+``--paths`` picks the paths, ``--kv-cache-dtype fp8_e4m3`` reports the FP8 engine's KV recalibration per step (its
+kv_scales telemetry), ``--dry-run`` prints the plan (GPUs, payload per GPU, launch flags, targets) without a GPU.
+Each path with engine telemetry gets a breakdown line: validate + quantize and write + transfer and the rest.
+Targets (issue 36), Qwen3-30B-A3B shapes at TP 4: FP8 engine <= 1.0 s per full update by tensor and by broadcast, and
+no slower than the BF16 engine's own update of that path in the same run.
+
 Caveat on memory: the server's PyTorch caching allocator keeps what it once reserved, so device-wide polling sees
 only *new* reservations; the first push after startup is the most informative polled number.
 
@@ -37,6 +46,8 @@ usage (GPU machine, after `source scripts/gpu/env.sh`):
   python3 scripts/bench_update.py --model-dir /tmp/fp8rl_suite/models --out /tmp/fp8rl_suite/update     (Qwen3-8B)
   python3 scripts/bench_update.py --model-dir ... --out ... --skip-disk --repeats 3
   python3 scripts/bench_update.py --model-dir ... --out ... --model qwen3-small                         (fast)
+  python3 scripts/bench_update.py --model-dir ... --out ... --model qwen3-30b-a3b --tp-size 2 --paths tensor broadcast
+  python3 scripts/bench_update.py --model-dir m --out o --model qwen3-30b-a3b --tp-size 4 --gpus 4 --dry-run   (CPU)
 Writes OUT/update_results.json (after every step) and OUT/summary.md; prints the table and the target lines.
 """
 from __future__ import annotations
@@ -52,13 +63,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import _paths  # noqa: F401  (scripts/gpu and the checkout on sys.path)
+import update_scaleout
 
 GB = 1e9
 ENGINES = {"bf16": [], "fp8": ["--quantization", "fp8_online_blockwise"]}
-PATHS = ("tensor", "atomic", "validate_only", "prequant", "disk")
+PATHS = update_scaleout.PATHS
 FP8_ONLY_PATHS = ("atomic", "validate_only", "prequant")
 # FP8 path -> (the BF16 path it is compared with, the largest allowed ratio)
 RATIO_TARGETS = {"tensor": ("tensor", 1.10), "prequant": ("tensor", 0.80), "disk": ("disk", 1.30)}
@@ -322,13 +334,18 @@ def measure_d2d_copy(nbytes: int = 1 << 30, iters: int = 20) -> float:
     return 2 * nbytes / secs
 
 
-def launch(model: str, port: int, log: str, engine: str, mem: float) -> subprocess.Popen:
-    """The stock launcher (the plugin arrives through SGLang's entry-point loader), in its own process group."""
+def launch_command(model: str, port: int, engine: str, mem: float, extra: Sequence[str] = ()) -> list[str]:
+    """The stock launcher's command line for one engine (``extra``: the plan's server flags, TP and KV dtype)."""
     from server_io import COMMON
 
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
+            "--load-format", "dummy", "--mem-fraction-static", str(mem), *ENGINES[engine], *COMMON, *extra]
+
+
+def launch(model: str, port: int, log: str, engine: str, mem: float, extra: Sequence[str] = ()) -> subprocess.Popen:
+    """The stock launcher (the plugin arrives through SGLang's entry-point loader), in its own process group."""
     env = dict(os.environ, SGLANG_JIT_DEEPGEMM_PRECOMPILE="0")
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
-           "--load-format", "dummy", "--mem-fraction-static", str(mem), *ENGINES[engine], *COMMON]
+    cmd = launch_command(model, port, engine, mem, extra)
     say(f"launch {engine}: {' '.join(cmd[3:])}")
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -398,7 +415,9 @@ def validate_only_push(url: str, weights: dict, bucket_bytes: int) -> int:
     validates and writes nothing); returns the number of buckets. Raises WeightPushError on a refusal."""
     import requests
 
-    from sglang_fp8rl.weight_sync.client import VALIDATE_ONLY, WeightPushError, buckets, serialize_for_ranks
+    from sglang_fp8rl.trainer import WeightPushError
+    from sglang_fp8rl.weight_sync.client import buckets, serialize_for_ranks  # the client's bucketing, sent by hand
+    from sglang_fp8rl.weight_sync.protocol import VALIDATE_ONLY
 
     tp_size = int(requests.get(url + "/get_server_info", timeout=60).json().get("tp_size", 1))
     n = 0
@@ -419,11 +438,13 @@ def telemetry_of(last: Optional[dict]) -> Optional[dict]:
 class Bench:
     """One run: the engines one after the other, every path of each, the results saved after every step."""
 
-    def __init__(self, args: argparse.Namespace, argv: Optional[list[str]] = None):
+    def __init__(self, args: argparse.Namespace, argv: Optional[list[str]], plan: update_scaleout.Plan):
         self.args = args
         self.argv = list(argv or [])
         self.t0 = time.time()
         self.res: dict[str, Any] = {"engines": {}, "notes": [], "targets": []}
+        self.plan = plan  # on this machine's GPUs
+        self.url = ""  # the engine running now
 
     def left(self) -> float:
         """Seconds left of the deadline."""
@@ -433,7 +454,7 @@ class Bench:
         """Targets and ratios recomputed, OUT/update_results.json rewritten."""
         self.res["elapsed_s"] = time.time() - self.t0
         if "payload" in self.res:
-            self.res["targets"] = targets(self.res)
+            self.res["targets"] = targets(self.res) + update_scaleout.scale_targets(self.res)
             self.res["ratios"] = ratios(self.res)
         with open(os.path.join(self.args.out, "update_results.json"), "w") as f:
             json.dump(self.res, f, indent=1, default=str)
@@ -453,7 +474,10 @@ class Bench:
     def run_path(self, eng: str, path: str, push: Callable[[], Any], phase_end: float) -> dict:
         """Warm-up + repeats of one path, within this engine's share of the deadline."""
         a = self.args
+        if path not in self.plan.paths:
+            return {"status": f"skipped ({self.plan.skipped.get(path, 'not planned')})"}
         rec: dict[str, Any] = {"status": "ok", "timed_s": [], "peak_extra_timed_bytes": None}
+        kv_before = update_scaleout.kv_writes(fp8rl_info(self.url)) if a.kv_cache_dtype else None
         period = a.poll_ms / 1e3
         reps = a.disk_repeats if path == "disk" else a.repeats
         warm = a.disk_warmup if path == "disk" else a.warmup
@@ -480,12 +504,15 @@ class Bench:
             rec["mean_s"] = statistics.mean(rec["timed_s"])
             rec["payload_GBps"] = self.res["payload"]["bytes"] / GB / rec["mean_s"]
             self.res["est_s"].setdefault(path, rec["timed_s"][0])
+        if kv_before is not None:
+            rec["kv_recalibration"] = update_scaleout.kv_since(kv_before, fp8rl_info(self.url))
         self.save()
         return rec
 
     def telemetry_push(self, url: str, weights: dict) -> Optional[dict]:
         """One extra push bucket by bucket (atomic=False), reading last_update after each (FP8 engine only)."""
-        from sglang_fp8rl.weight_sync.client import buckets, push_state_dict
+        from sglang_fp8rl.trainer import push_state_dict
+        from sglang_fp8rl.weight_sync.client import buckets
 
         per = []
         for bucket in buckets(weights, self.args.bucket_mb << 20):
@@ -511,12 +538,15 @@ class Bench:
         from server_payloads import prequantize
 
         a = self.args
-        self.add_telemetry(e["tensor"], url, sd, False, phase_end)
+        if "tensor" in self.plan.paths:
+            self.add_telemetry(e["tensor"], url, sd, False, phase_end)
         e["atomic"] = self.run_path("fp8", "atomic", lambda: push(sd, True), phase_end)
         e["validate_only"] = self.run_path("fp8", "validate_only",
                                            lambda: validate_only_push(url, sd, a.bucket_mb << 20), phase_end)
+        if "prequant" not in self.plan.paths:
+            return
         t = time.time()
-        held = {"pq": prequantize(sd, scale_format="pow2")}  # codes + scales; the BF16 tensors are shared with sd
+        held = {"pq": update_scaleout.prequant_payload(sd, self.plan, prequantize)}  # codes + scales
         torch.cuda.synchronize()
         e["prequant_build_s"] = time.time() - t
         try:
@@ -528,7 +558,7 @@ class Bench:
 
     def disk_path(self, eng: str, e: dict, url: str, phase_end: float, disk_box: dict, w1_dir: str) -> None:
         """push_from_disk of the saved payload; on the FP8 engine also its last_update split."""
-        from sglang_fp8rl.weight_sync.client import push_from_disk
+        from sglang_fp8rl.trainer import push_from_disk
 
         if self.args.skip_disk:
             e["disk"] = {"status": "skipped (--skip-disk)"}
@@ -544,14 +574,14 @@ class Bench:
 
     def run_engine(self, eng: str, sd: dict, model: str, phase_end: float, disk_box: dict, w1_dir: str) -> None:
         """Start one engine's server, run its paths, stop it (its error is recorded; the other engine still runs)."""
-        from sglang_fp8rl.weight_sync.client import push_state_dict
+        from sglang_fp8rl.trainer import push_state_dict
 
         a = self.args
         e: dict[str, Any] = {}
         self.res["engines"][eng] = e
-        url = f"http://127.0.0.1:{a.port}"
+        url = self.url = f"http://127.0.0.1:{a.port}"
         pre_used = MemPoller.used()
-        proc = launch(model, a.port, os.path.join(a.out, f"server_{eng}.log"), eng, a.mem)
+        proc = launch(model, a.port, os.path.join(a.out, f"server_{eng}.log"), eng, a.mem, self.plan.server_flags)
         try:
             from server_io import wait_healthy
 
@@ -574,6 +604,7 @@ class Bench:
             e["tensor"] = self.run_path(eng, "tensor", lambda: push(sd, False), phase_end)
             if eng == "fp8":
                 self.fp8_paths(e, url, sd, push, phase_end)
+            update_scaleout.broadcast_path(self, eng, e, url, sd, phase_end, fp8rl_info, sum_bucket_stats)
             try:
                 e["tokens_after_update"] = generate_ids(url)
             except (OSError, RuntimeError, ValueError, KeyError) as ex:  # informative only (requests: OSError)
@@ -594,8 +625,9 @@ class Bench:
 
         a = self.args
         from make_models import ensure
-        from server_payloads import hf_shapes, make_w1
+        from server_payloads import W1_SEED, hf_shapes, make_weights
 
+        a.skip_disk = "disk" not in self.plan.paths  # no checkpoint written for a path that does not run
         os.makedirs(a.out, exist_ok=True)
         model = ensure(a.model_dir, [a.model])[0]
         config = json.load(open(os.path.join(model, "config.json")))
@@ -604,7 +636,8 @@ class Bench:
                         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                         model=a.model, model_path=model, bucket_mb=a.bucket_mb, repeats=a.repeats,
                         disk_repeats=a.disk_repeats, mem_fraction_static=a.mem, payload=payload_stats(self.shapes),
-                        device=torch.cuda.get_device_name(), deadline_s=a.deadline_s)
+                        device=f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}", deadline_s=a.deadline_s,
+                        tp_size=a.tp_size, plan=self.plan.as_dict())
         self.res["notes"].append("peak extra = max device-wide used memory during the push minus the level right "
                                  "before it (server steady state + client payload); the server's caching "
                                  "allocator hides reuse of blocks it reserved earlier, so this is a lower bound")
@@ -615,10 +648,11 @@ class Bench:
         say(f"d2d copy {self.res['d2d_copy_GBps']:.0f} GB/s (read + write)")
 
         t = time.time()
-        sd = make_w1(config, "cuda")
+        sd = update_scaleout.make_payload(self.shapes, self.plan, make_weights, W1_SEED)
         torch.cuda.synchronize()
         self.res["payload_gen_s"] = time.time() - t
-        say(f"payload: {self.res['payload']['bytes'] / GB:.2f} GB on GPU in {self.res['payload_gen_s']:.1f} s")
+        say(f"payload: {self.res['payload']['bytes'] / GB:.2f} GB on GPU(s) {self.plan.payload_gpus} in "
+            f"{self.res['payload_gen_s']:.1f} s")
         self.save()
 
         w1_dir = os.path.join(a.out, "tmp", "w1")
@@ -667,7 +701,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--model-dir", required=True, help="folder of dummy-weight models (scripts/gpu/make_models.py; "
                                                       "the --model folder is written there if missing)")
     p.add_argument("--out", required=True)
-    p.add_argument("--model", default="qwen3-8b", choices=["qwen3-8b", "qwen3-small"])
+    p.add_argument("--model", default="qwen3-8b", choices=["qwen3-8b", "qwen3-small", "qwen3-30b-a3b"])
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--deadline-s", type=float, default=530.0, help="whole-run budget in seconds (default 530)")
     p.add_argument("--repeats", type=int, default=2, help="timed pushes per path other than disk (default 2)")
@@ -681,12 +715,36 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--mem", type=float, default=0.5, help="--mem-fraction-static of the servers (default 0.5)")
     p.add_argument("--port", type=int, default=30020)
     p.add_argument("--poll-ms", type=float, default=5.0, help="memory sampling period (default 5 ms)")
+    update_scaleout.add_args(p)
     return p.parse_args(argv)
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """Print the run's plan as JSON (no GPU, no server); 0, or 2 with the reason for a layout that cannot run."""
+    from make_models import ensure
+    from server_payloads import hf_shapes
+
+    from sglang_fp8rl.cpu_runner import install_cpu_stubs
+
+    install_cpu_stubs()  # SGLang's import (the launch flags) without a working torchvision, as on a CPU machine
+    try:
+        plan = update_scaleout.make_plan(args, args.gpus or args.tp_size)
+    except ValueError as e:
+        print(f"bench_update.py: {e}", file=sys.stderr)
+        return 2
+    model = ensure(args.model_dir, [args.model])[0]
+    shapes = hf_shapes(json.load(open(os.path.join(model, "config.json"))))
+    commands = {eng: " ".join(launch_command(model, args.port, eng, args.mem, plan.server_flags))
+                for eng in args.engines}
+    print(json.dumps(update_scaleout.dry_run(args, shapes, commands), indent=1))
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
     import torch
 
     if not torch.cuda.is_available():
@@ -694,7 +752,12 @@ def main(argv: Optional[list[str]] = None) -> int:
               file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a suite timeout still stops the server (finally)
-    return Bench(args, argv).run()
+    try:
+        plan = update_scaleout.make_plan(args, torch.cuda.device_count())
+    except ValueError as e:  # a layout this machine cannot run (the message names the option)
+        print(f"bench_update.py: {e}", file=sys.stderr)
+        return 2
+    return Bench(args, argv, plan).run()
 
 
 if __name__ == "__main__":

@@ -585,7 +585,8 @@ SCENARIOS = {"client": scenario_client, "load": scenario_load, "updates": scenar
              "sessions": scenario_sessions, "lifecycle": scenario_lifecycle, "flush": scenario_flush,
              "step_truth": lambda r, e: __import__("step_truth").scenario_step_truth(r, e),
              "session_recovery": lambda r, e: __import__("step_truth").scenario_session_recovery(r, e),
-             "colocated": lambda r, e: __import__("colocated").scenario_colocated(r, e)}
+             "colocated": lambda r, e: __import__("colocated").scenario_colocated(r, e),
+             "scale_out": lambda r, e: __import__("scale_out_scenario").scenario_scale_out(r, e)}
 
 
 def main() -> None:

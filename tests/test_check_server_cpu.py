@@ -20,7 +20,7 @@ import server_report as sr
 import torch
 from sgl_model import TINY, TINY_MOE, run_update_requests, write_checkpoint, write_moe_checkpoint
 
-from sglang_fp8rl.weight_sync.client import VALIDATE_ONLY
+from sglang_fp8rl.weight_sync.protocol import VALIDATE_ONLY
 from sglang_fp8rl.weight_sync.validate import UpdateRejected
 
 QUANT = ("--quantization", "fp8_online_blockwise")
@@ -294,7 +294,7 @@ def test_log_checks_and_kernel_calls(tmp_path):
     log.write_text(f"[t TP0] {line}\n[t TP1] {line}\n[t] {warning}\n")
     (tmp_path / "server_a.log.kapi_0.log").write_text("deep_gemm_fp8_fp8_bf16_nt\nper_token_group_quant_fp8\nx\n")
     run = server_checks.Run(argparse.Namespace(port=1, tp_size=2), {}, lambda rep, checks: None)
-    check_server.log_checks(run, str(log), tp_size=2)
+    check_server.log_checks(run, [str(log)], tp_size=2)
     assert [c.verdict for c in run.checks] == ["PASS", "FAIL"]
     assert check_server.kernel_api_calls(str(tmp_path)) == {"deep_gemm": 1, "per_token_group_quant": 1}
 
@@ -655,6 +655,6 @@ def test_sequence_reports_a_lenient_engine(dense, tmp_path):
 
 def test_the_server_checks_step_marker_is_the_packages():
     """The server check's step-complete marker is the name the engine knows."""
-    from sglang_fp8rl.weight_sync.fp8_payload import STEP_COMPLETE
+    from sglang_fp8rl.weight_sync.protocol import STEP_COMPLETE
 
     assert sp.STEP_COMPLETE == STEP_COMPLETE

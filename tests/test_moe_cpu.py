@@ -119,7 +119,7 @@ def test_update_equivalence_and_pointers(models):
     assert_update_matches_cold_load(out, models["cold_w1"])
 
 
-MARKER = ("fp8rl.step_complete", torch.zeros(()))  # the step-complete control entry (weight_sync/fp8_payload.py)
+MARKER = ("fp8rl.step_complete", torch.zeros(()))  # the step-complete control entry (weight_sync/protocol.py)
 
 
 def bad_requests(models: dict) -> list[tuple[str, dict, str]]:

@@ -14,7 +14,11 @@ trainer, rank 0 of the update group) on the second; NCCL refuses two ranks on on
      received and dropped, the group is in step);
   5. W1 FP8 with each weight and its scale in different buckets (verl's split) over NCCL -> R1.
 usage: python3 scripts/gpu/check_broadcast.py --model-dir DIR --out OUT [--server-gpu 0 --trainer-gpu 1]
-Writes OUT/check_broadcast.json; exit 0 when every check passed, 1 otherwise, 2 without two GPUs.
+Scale-out (issue 36): the server in a layout of scripts/gpu/scale_out.py on the GPUs --server-gpu lists, the trainer
+on another, the update group of tp_size + 1 ranks:
+  ... --server-gpu 0,1 --trainer-gpu 2 --tp-size 2 --nnodes 2     TP 2 as two 'nodes' of one GPU, NCCL to both
+  ... --server-gpu 0,1 --trainer-gpu 2 --tp-size 2 --ep-size 2 --moe    (or --enable-dp-attention --dp-size 2)
+Writes OUT/check_broadcast.json; exit 0 when every check passed, 1 otherwise, 2 without tp_size + 1 GPUs.
 (The first run, 2026-11-25, failed in the engine's receive with "Cuda failure 'invalid argument'"; this process
 then ran NCCL with NCCL_CUMEM_ENABLE unset (1) while SGLang's server sets 0: now matched, not re-run yet.)
 """
@@ -25,6 +29,8 @@ import json
 import os
 import sys
 import time
+
+import scale_out
 
 PORT = 30400
 GROUP_PORT = 29611
@@ -42,27 +48,41 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--server-gpu", default="0")
+    ap.add_argument("--server-gpu", default="0", help="the server's CUDA_VISIBLE_DEVICES (tp-size GPUs)")
     ap.add_argument("--trainer-gpu", type=int, default=1)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--moe", action="store_true", help="serve the small Qwen3-MoE of check_server.py --moe")
+    scale_out.add_args(ap)
     args = ap.parse_args()
+    scale_out.check_args(args, ap.error)
+    if len(args.server_gpu.split(",")) != args.tp_size or str(args.trainer_gpu) in args.server_gpu.split(","):
+        ap.error(f"--server-gpu {args.server_gpu}: list --tp-size ({args.tp_size}) GPUs, without --trainer-gpu "
+                 f"{args.trainer_gpu} (NCCL refuses two ranks of one group on one GPU)")
     os.makedirs(args.out, exist_ok=True)
     from sglang_fp8rl.weight_sync.client import match_engine_nccl_env
 
     match_engine_nccl_env()  # before this process's first NCCL communicator (init_update_group also does it)
     import torch
 
-    if torch.cuda.device_count() < 2:
-        print("check_broadcast needs two GPUs")
+    if torch.cuda.device_count() < args.tp_size + 1:
+        print(f"check_broadcast needs {args.tp_size + 1} GPUs (the server's {args.tp_size} and the trainer's)")
         return 2
     import make_models
-    from server_io import fp8rl_info, generate, launch, stop, url, wait_healthy
+    from server_io import fp8rl_info, generate, launch, route_every_dp_rank, stop, url, wait_healthy
     from server_payloads import prepare
     from server_report import same_outputs
 
-    from sglang_fp8rl.weight_sync.client import _broadcast_bucket, init_update_group, push_distributed, push_state_dict
+    from sglang_fp8rl.trainer import init_update_group, push_distributed, push_state_dict
+    from sglang_fp8rl.weight_sync.client import _broadcast_bucket  # one bucket without the step's end: not the contract
 
-    make_models.ensure(args.model_dir, ["qwen3-small"])
-    model = os.path.join(args.model_dir, "qwen3-small")
+    if args.moe:
+        from server_payloads import write_small_moe
+
+        model = write_small_moe(args.model_dir)
+    else:
+        make_models.ensure(args.model_dir, ["qwen3-small"])
+        model = os.path.join(args.model_dir, "qwen3-small")
+    route_every_dp_rank(PORT, args.dp_size if args.enable_dp_attention else 1)
     torch.cuda.set_device(args.trainer_gpu)
     dev = f"cuda:{args.trainer_gpu}"
     p = prepare(model, os.path.join(args.out, "ckpt"), device=dev)
@@ -78,9 +98,10 @@ def main() -> int:
             json.dump({"results": results, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                        "device": device_name}, f, indent=1)
 
-    # the server sees only its GPU; this process keeps its own view (changing it here would renumber our devices)
-    server = launch(model, PORT, os.path.join(args.out, "server.log"), "--load-format", "dummy", mem=0.5,
-                    env_extra={"CUDA_VISIBLE_DEVICES": args.server_gpu})
+    # the server sees only its GPUs; this process keeps its own view (changing it here would renumber our devices)
+    server = scale_out.launch_server(launch, model, PORT, os.path.join(args.out, "server.log"), args,
+                                     scale_out.dist_port(PORT, 0), "--load-format", "dummy", mem=0.5,
+                                     env_extra={"CUDA_VISIBLE_DEVICES": args.server_gpu})
     target = url(PORT)
     try:
         check("server starts", True, f"{wait_healthy(PORT, server):.0f} s")
@@ -90,7 +111,8 @@ def main() -> int:
         push_state_dict(target, host_w2, bucket_bytes=BUCKET_BYTES)
         r2 = generate(PORT)
         check("references R1 (FP8 by tensor) and R2 (BF16 by tensor) differ", not same_outputs(r1, r2))
-        group = init_update_group(target, "127.0.0.1", GROUP_PORT, world_size=2, group_name="fp8rl_check")
+        group = init_update_group(target, "127.0.0.1", GROUP_PORT, world_size=args.tp_size + 1,
+                                  group_name="fp8rl_check")
         check("update group over NCCL", True)
 
         t0 = time.time()

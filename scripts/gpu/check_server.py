@@ -5,6 +5,10 @@ One command on the GPU machine, after `source scripts/gpu/env.sh`:
   python3 scripts/gpu/check_server.py --model-dir /tmp/fp8rl_suite/models --out /tmp/fp8rl_suite/server
   ... --moe                  a small Qwen3-MoE (4 experts, moe_intermediate 256, 2 layers, hidden 1024)
   ... --tp-size 2            both servers at TP 2 (two GPUs)
+  ... --moe --tp-size 4 --ep-size 4                          expert parallelism (each rank holds whole experts)
+  ... --moe --tp-size 2 --enable-dp-attention --dp-size 2    DP attention (attention per DP group, MoE over all)
+  ... --moe --tp-size 4 --nnodes 2                           each server as two 'nodes' of two GPUs on this host
+  (scripts/gpu/scale_out.py: what each layout launches; both servers always get the same layout)
 
 Server A (`python -m sglang.launch_server ... --load-format dummy`, W0) takes every update; server B starts cold from
 W1 on disk, once, for the bit-for-bit reference (it starts while A runs the refusal checks). The client is this
@@ -20,7 +24,13 @@ process: CUDA tensors travel as IPC handles. Checks, each a PASS/FAIL record wit
     give bit-identical outputs (each pushed onto W2), with the update time of each;
   * 9 updates (W1, W2 alternately, W1 last) while a thread keeps generating (8 prompts x 64 tokens): no request
     error, every push succeeds, the outputs afterwards equal the cold W1 start;
-  * the per-rank scheme summary line is in server A's log, SGLang's "not fully optimized" warning is not.
+  * the per-rank scheme summary line is in server A's log (every node's), SGLang's "not fully optimized" warning is
+    not.
+How the checks see the ranks: the bit-for-bit checks compare outputs (tokens and logprobs) of two servers launched
+with the same layout, not parameters, so every rank's weights take part (each TP / EP rank's shard in every forward;
+under DP attention each prompt is generated on every DP rank, whose attention weights are its own copy). The pointer
+and consistency checks read the plugin's telemetry of TP rank 0 of every DP rank (what /get_server_info returns);
+the other ranks' pointers are covered by the outputs (a weight moved under a CUDA graph changes them).
 Writes OUT/check_server.json (after every check) and OUT/summary.md; prints the PASS/FAIL table last.
 Exit code 0 when every check passed, 1 otherwise, 2 without CUDA. About 4 minutes on an H100 (two server starts).
 """
@@ -31,13 +41,13 @@ import datetime
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from typing import Optional
 
+import scale_out
 import server_checks
-from server_io import launch, stop
+from server_io import launch, route_every_dp_rank, stop
 from server_payloads import SMALL_MOE_NAME, prepare
 from server_report import NOT_OPTIMIZED, check, not_run, read_log, scheme_lines, table, write_report
 
@@ -83,9 +93,9 @@ def model_folder(model_dir: str, moe: bool) -> str:
     return ensure(model_dir, [DENSE_MODEL])[0]
 
 
-def log_checks(run: server_checks.Run, log_path: str, tp_size: int) -> None:
-    """The per-rank scheme summary lines, and no 'not fully optimized' warning, in server A's log."""
-    text = read_log(log_path)
+def log_checks(run: server_checks.Run, log_paths: list[str], tp_size: int) -> None:
+    """The per-rank scheme summary lines, and no 'not fully optimized' warning, in server A's logs (one per node)."""
+    text = "\n".join(read_log(path) for path in log_paths)
     lines = scheme_lines(text)
     run.report["scheme_lines"] = lines
     run.add(check("scheme_summary_logged", [(len(lines) == tp_size, f"one summary line per TP rank ({len(lines)})")],
@@ -102,7 +112,8 @@ def new_report(args: argparse.Namespace, model: str, argv: list[str]) -> dict:
     return {"command": " ".join(["python3 scripts/gpu/check_server.py", *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}", "tp_size": args.tp_size,
-            "model": model, "model_name": os.path.basename(model), "versions": versions()}
+            "model": model, "model_name": os.path.basename(model), "versions": versions(),
+            "layout": scale_out.layout(args)}
 
 
 def run_checks(args: argparse.Namespace, argv: list[str]) -> int:
@@ -112,13 +123,17 @@ def run_checks(args: argparse.Namespace, argv: list[str]) -> int:
     report = new_report(args, model, argv)
     run = server_checks.Run(args, report, lambda rep, checks: write_report(args.out, rep, checks))
     t0 = time.time()
-    tp = ["--tp-size", str(args.tp_size)] if args.tp_size > 1 else []
     tmp = os.path.join(args.out, "tmp")
-    a = launch(model, args.port, os.path.join(args.out, "server_a.log"), "--load-format", "dummy", *tp)
-    cold: list[Optional[subprocess.Popen]] = [None]
+    for port in (args.port, args.port + 1):
+        route_every_dp_rank(port, args.dp_size if args.enable_dp_attention else 1)
+    a = scale_out.launch_server(launch, model, args.port, os.path.join(args.out, "server_a.log"), args,
+                                scale_out.dist_port(args.port, 0), "--load-format", "dummy")
+    cold: list[Optional[scale_out.Server]] = [None]
 
-    def launch_cold() -> subprocess.Popen:
-        cold[0] = launch(payloads.folders["w1"], args.port + 1, os.path.join(args.out, "server_b.log"), *tp)
+    def launch_cold() -> scale_out.Server:
+        cold[0] = scale_out.launch_server(launch, payloads.folders["w1"], args.port + 1,
+                                          os.path.join(args.out, "server_b.log"), args,
+                                          scale_out.dist_port(args.port, 1))
         return cold[0]
 
     try:
@@ -129,7 +144,7 @@ def run_checks(args: argparse.Namespace, argv: list[str]) -> int:
         run.add(not_run("run", f"{type(e).__name__}: {e}"))
     finally:
         stop(cold[0])
-        log_checks(run, os.path.join(args.out, "server_a.log"), args.tp_size)
+        log_checks(run, a.logs, args.tp_size)
         stop(a)
         report["kernel_api_calls"] = kernel_api_calls(args.out)
         report["elapsed_s"] = round(time.time() - t0, 1)
@@ -149,12 +164,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--moe", action="store_true", help=f"serve {SMALL_MOE_NAME} instead of {DENSE_MODEL}")
     p.add_argument("--tp-size", type=int, default=1, help="tensor parallelism of both servers (default 1)")
+    scale_out.add_args(p)
     p.add_argument("--port", type=int, default=30010, help="server A's port; the cold-start server uses PORT+1")
     p.add_argument("--startup-timeout-s", type=float, default=420.0, help="limit per server start (default 420)")
     p.add_argument("--keep-tmp", action="store_true", help="keep OUT/tmp (the checkpoint folders)")
     args = p.parse_args(argv)
     if args.tp_size < 1:
         p.error("--tp-size must be >= 1")
+    scale_out.check_args(args, p.error)
     return args
 
 

@@ -34,6 +34,17 @@
 #   server    scripts/gpu/check_server.py on qwen3-small: launch_server + weight updates over HTTP (bit-for-bit vs a
 #             cold start, 12 refused bad updates, pre-quantized FP8 by tensor / bucket / disk, 9 updates during
 #             generation); SERVER_ARGS e.g. "--moe" or "--tp-size 2"                              (~4-5 min)
+#             Scale-out layouts (issue 36; both servers get the same layout, scripts/gpu/scale_out.py), one call each,
+#             on a machine with that many GPUs; not run on GPUs yet, so no times:
+#               SERVER_ARGS="--moe --tp-size 2"                                     MoE TP 2      (nvidia-h100-x2)
+#               SERVER_ARGS="--moe --tp-size 4"                                     MoE TP 4      (nvidia-h100-x4)
+#               SERVER_ARGS="--moe --tp-size 2 --ep-size 2"                         EP 2          (nvidia-h100-x2)
+#               SERVER_ARGS="--moe --tp-size 4 --ep-size 4"                         EP 4          (nvidia-h100-x4)
+#               SERVER_ARGS="--moe --tp-size 2 --enable-dp-attention --dp-size 2"   DP attention  (nvidia-h100-x2)
+#               SERVER_ARGS="--moe --tp-size 4 --enable-dp-attention --dp-size 4"   DP attention  (nvidia-h100-x4)
+#               SERVER_ARGS="--moe --tp-size 4 --nnodes 2"   two 'nodes' of two GPUs on one host  (nvidia-h100-x4)
+#             Add "--startup-timeout-s 240" where a start may be slow (the MoE TP 4 run of 2026-11-27 ran out of the
+#             stage's time waiting for its cold-start server): the later sections then still run.
 #   colocated scripts/gpu/check_colocated.py on qwen3-small: verl's colocated cycle on the stock server with
 #             --enable-memory-saver and an FP8 KV cache (release kv_cache + weights, a refused push, resume weights, W1
 #             pushed by tensor, resume kv_cache), without and with --enable-weights-cpu-backup, against a cold W1
@@ -41,6 +52,9 @@
 #             COLOCATED_ARGS e.g. "--passes backup"       (estimated ~3-4 min warm, ~6-7 min on a fresh machine: own call)
 #   broadcast scripts/gpu/check_broadcast.py (two GPUs): update_weights_from_distributed over NCCL, BF16 and FP8
 #             codes + scales, split pairs, refused broadcasts keep the group in step      (~3 min)
+#             BROADCAST_ARGS for a server layout (issue 36; tp_size + 1 GPUs, not run on GPUs yet):
+#               "--server-gpu 0,1 --trainer-gpu 2 --tp-size 2 --nnodes 2"   NCCL to both 'nodes'  (nvidia-h100-x4)
+#               "--server-gpu 0,1 --trainer-gpu 2 --tp-size 2 --ep-size 2 --moe"                 (nvidia-h100-x4)
 #   quant     scripts/bench_quant.py --json $WORK/bench_quant.json (quantization kernel micro-benchmark)
 #   gemm      scripts/bench_gemm.py: per-shape block-FP8 GEMM candidates vs BF16 (Qwen3-8B shapes); GEMM_ARGS
 #   startup   scripts/bench_startup.py: cold/warm launch_server start, BF16 vs fp8_online_blockwise (Qwen3-8B)
@@ -49,6 +63,15 @@
 #   update    $UPDATE_SCRIPT (default scripts/bench_update.py): full-model update of Qwen3-8B shapes, BF16 vs
 #             fp8_online_blockwise server: by tensor, atomic step, its validate-only phase, pre-quantized FP8, from
 #             disk; UPDATE_ARGS e.g. "--model qwen3-small" or "--skip-disk --repeats 3"  (~7-9 min: own call)
+#             Issue 36 (Qwen3-30B-A3B shapes, 61 GB of BF16; not run on GPUs yet, so no times; a call may end at its
+#             deadline with the paths it reached: split by --paths / --engines, same warm machine):
+#               UPDATE_ARGS="--model qwen3-30b-a3b --tp-size 2 --paths tensor broadcast prequant --repeats 2"
+#                 (nvidia-h100-x4: engine on GPUs 0-1, the broadcasting trainer and its payload on GPU 2)
+#               UPDATE_ARGS="--model qwen3-30b-a3b --tp-size 4 --paths tensor prequant --repeats 2"
+#                 (nvidia-h100-x4: no broadcast at TP 4 there, NCCL needs a fifth GPU for the trainer)
+#               ... "--paths disk --disk-repeats 1", and "--kv-cache-dtype fp8_e4m3" for the KV recalibration time;
+#             check the plan first on CPU: python3 scripts/bench_update.py --model-dir M --out O --model
+#             qwen3-30b-a3b --tp-size 4 --gpus 4 --dry-run
 #   rl        scripts/rl_regression.py: GRPO on the toy policy, BF16 vs FP8 vs FP8+TIS rollouts from the stock
 #             server, weights pushed every step; RL_ARGS e.g. "--arms bf16 fp8 fp8_tis fp8kv_tis"  (~6-9 min: own call)
 #   rl_rollout  scripts/bench_rl_rollout.py --scale short: an RL-shaped rollout (256 prompts x 512 random ids, lognormal
@@ -77,7 +100,8 @@
 # stdout ends with the summary (stage table + each stage's own table).
 # Env: OUT, WORK, DEADLINE (s from start; 570), TESTS, T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
 #      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, KV_ARGS, KV_FI_ARGS, KV_ACC_ARGS, SERVER_ARGS, UPDATE_ARGS, GEMM_ARGS,
-#      STARTUP_ARGS, DEMO_ARGS, RL_ARGS, RL_ROLLOUT_ARGS, ROOFLINE_ARGS, COLOCATED_ARGS (extra args per script),
+#      STARTUP_ARGS, DEMO_ARGS, RL_ARGS, RL_ROLLOUT_ARGS, ROOFLINE_ARGS, COLOCATED_ARGS, BROADCAST_ARGS
+#      (extra args per script),
 #      UPDATE_SCRIPT.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
@@ -208,7 +232,8 @@ for st in "$@"; do
       l=$(left); run_stage colocated 200 560 $PY scripts/gpu/check_colocated.py --model-dir "$MODELS" \
         --out "$WORK/colocated" --deadline-s $(( l - 25 )) ${COLOCATED_ARGS:-} ;;
     broadcast)  # two GPUs: /update_weights_from_distributed over NCCL, BF16 and pre-quantized FP8, refusals
-      run_stage broadcast 150 480 $PY scripts/gpu/check_broadcast.py --model-dir "$MODELS" --out "$WORK/broadcast" ;;
+      run_stage broadcast 150 480 $PY scripts/gpu/check_broadcast.py --model-dir "$MODELS" --out "$WORK/broadcast" \
+        ${BROADCAST_ARGS:-} ;;
     server)  # the script writes its model folder (qwen3-small, or qwen3-moe-small with --moe) into $MODELS
       run_stage server 150 560 $PY scripts/gpu/check_server.py --model-dir "$MODELS" --out "$WORK/server" \
         ${SERVER_ARGS:-} ;;

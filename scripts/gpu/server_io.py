@@ -69,10 +69,16 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 420) -> flo
     raise TimeoutError(f"server on {port} not healthy after {timeout} s")
 
 
-def stop(proc: Optional[subprocess.Popen]) -> None:
-    """Terminate a server's process group (TP ranks included); SIGKILL what is left after 60 s."""
+def stop(proc: Any) -> None:
+    """Terminate a server's process group (TP ranks included); SIGKILL what is left after 60 s. A server of several
+    launcher processes (scale_out.Server: two 'nodes' on this host) is stopped node by node."""
     if proc is None:
         return
+    for node in getattr(proc, "procs", None) or [proc]:
+        _stop_one(node)
+
+
+def _stop_one(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
@@ -94,23 +100,52 @@ def flush_cache(port: int, wait_s: float = 60) -> None:
         raise RuntimeError(f"/flush_cache answered HTTP {r.status_code}: {r.text[:200]}")
 
 
+# DP attention: the servers on these ports have this many DP ranks, each with its own copy of the attention weights
+DP_RANKS: dict[int, int] = {}
+
+
+def route_every_dp_rank(port: int, dp_size: int) -> None:
+    """Make generate() ask every one of the server's ``dp_size`` DP ranks for each prompt (SGLang's routed_dp_rank),
+    so that an output comparison covers the weights of every DP group, each served the same way in both servers."""
+    DP_RANKS[port] = dp_size
+
+
 def generate(port: int, prompts: list[list[int]] = PROMPTS) -> list[dict]:
     """Greedy NEW_TOKENS tokens per prompt, one request each, with their logprobs, each from an empty radix cache:
-    a prompt served from cached prefixes takes other kernel shapes, so its logprobs differ in the last bits."""
+    a prompt served from cached prefixes takes other kernel shapes, so its logprobs differ in the last bits. Under DP
+    attention (route_every_dp_rank) each prompt once per DP rank, in rank order."""
     out = []
+    ranks = range(DP_RANKS[port]) if DP_RANKS.get(port, 1) > 1 else [None]
     for ids in prompts:
-        flush_cache(port)
-        r = requests.post(url(port) + "/generate", json={
-            "input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0},
-            "return_logprob": True}, timeout=120).json()
-        out.append({"ids": r["output_ids"], "logprobs": [x[0] for x in r["meta_info"]["output_token_logprobs"]]})
+        for rank in ranks:
+            flush_cache(port)
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0},
+                    "return_logprob": True}
+            if rank is not None:
+                body["routed_dp_rank"] = rank
+            r = requests.post(url(port) + "/generate", json=body, timeout=120).json()
+            out.append({"ids": r["output_ids"], "logprobs": [x[0] for x in r["meta_info"]["output_token_logprobs"]]})
     return out
 
 
 def fp8rl_info(port: int) -> dict:
-    """/get_server_info → internal_states[0]["fp8rl"]."""
+    """/get_server_info → internal_states[0]["fp8rl"]; with several DP ranks (one state each), that of DP rank 0 with
+    ``consistent`` true only if every rank's is and ``fp8_param_ptr_digest`` the tuple of every rank's digest."""
     info = requests.get(url(port) + "/get_server_info", timeout=30).json()
-    return (info.get("internal_states") or [{}])[0].get("fp8rl") or {}
+    return merged_dp_states(info.get("internal_states") or [{}])
+
+
+def merged_dp_states(states: list[dict]) -> dict:
+    """The plugin's telemetry of several DP ranks as one record (see fp8rl_info)."""
+    infos = [s.get("fp8rl") or {} for s in states]
+    if len(infos) <= 1:
+        return infos[0] if infos else {}
+    merged = dict(infos[0])
+    consistent = [i.get("consistent") for i in infos]
+    merged["consistent"] = None if None in consistent else all(consistent)
+    merged["fp8_param_ptr_digest"] = tuple(i.get("fp8_param_ptr_digest") for i in infos)
+    merged["dp_ranks"] = len(infos)
+    return merged
 
 
 def alive(port: int) -> bool:
@@ -140,7 +175,7 @@ def post(port: int, route: str, body: dict, timeout: float = 600) -> dict:
 
 def push_by_tensor(port: int, sd: Any, bucket_bytes: int = 512 << 20, atomic: bool = True) -> list:
     """CUDA IPC push through the package's client; raises WeightPushError on a refusal."""
-    from sglang_fp8rl.weight_sync.client import push_state_dict
+    from sglang_fp8rl.trainer import push_state_dict
 
     return push_state_dict(url(port), sd, bucket_bytes=bucket_bytes, atomic=atomic)
 

@@ -115,14 +115,43 @@ def num_hidden_layers_of_served_model() -> int:
 
 def refuse_unsupported_setup(server_args: Optional[Any]) -> None:
     """ValueError, at start, for setups this method would serve wrongly: pipeline parallelism (each stage would
-    refuse every full update: it holds only its own layers) and DeepGEMM's UE8M0 scales (Blackwell), which our
-    float32 scales do not follow."""
+    refuse every full update: it holds only its own layers), an MoE all-to-all dispatcher or MoE runner our expert
+    method cannot take (:func:`refuse_moe_backends`) and DeepGEMM's UE8M0 scales (Blackwell), which our float32
+    scales do not follow."""
     if server_args is not None and (getattr(server_args, "pp_size", 1) or 1) > 1:
         raise ValueError(f"--quantization {NAME} does not support pipeline parallelism (--pp-size "
                          f"{server_args.pp_size}); serve with --tp-size instead")
+    if server_args is not None:
+        refuse_moe_backends(server_args)
     if deep_gemm_configurer.DEEPGEMM_SCALE_UE8M0:
         raise ValueError(f"--quantization {NAME} writes float32 block scales, but SGLang's DeepGEMM path on this GPU "
                          "(Blackwell, SM100) expects UE8M0 scales; not supported yet")
+
+
+# the MoE runners our FP8 expert method serves: it always builds SGLang's Triton runner (layers/moe.py)
+MOE_RUNNERS = ("auto", "triton")
+
+
+def refuse_moe_backends(server_args: Any) -> None:
+    """ValueError for ``--moe-a2a-backend`` other than ``none`` and ``--moe-runner-backend`` other than auto / triton.
+
+    Our expert method runs SGLang's Triton MoE runner on the standard dispatcher's output. An all-to-all backend
+    (DeepEP, Mooncake, NIXL, MORI, PPLX, FlashInfer) hands it another dispatch format, for which the Triton runner
+    has no permute step (0.5.17: an assertion at the first MoE forward, ``moe_runner/base.py:209``). Another runner
+    would be replaced by Triton without a word, and some make the standard dispatcher keep global expert ids under
+    expert parallelism (``token_dispatcher/standard.py:118-126``: the flashinfer runners, hpc_ops) or change the
+    top-k output format (triton_kernel), so tokens would reach the wrong experts."""
+    a2a = getattr(server_args, "moe_a2a_backend", "none")  # a str in every supported release, as is the runner
+    if a2a != "none":
+        raise ValueError(f"--quantization {NAME} does not support --moe-a2a-backend {a2a}: its FP8 expert layers run "
+                         "SGLang's Triton MoE runner, which takes only the standard dispatcher's output; serve expert "
+                         "parallelism with --ep-size N and --moe-a2a-backend none (the default)")
+    runner = getattr(server_args, "moe_runner_backend", "auto")
+    if runner not in MOE_RUNNERS:
+        raise ValueError(f"--quantization {NAME} does not support --moe-runner-backend {runner}: its FP8 expert "
+                         "layers always run SGLang's Triton MoE runner, so this runner would not be used, and under "
+                         "expert parallelism it can change which expert ids the layers receive; serve with "
+                         "--moe-runner-backend auto (the default) or triton")
 
 
 def bf16_reason(prefix: str, options: Fp8rlOptions, num_layers: Optional[int]) -> Optional[str]:
