@@ -112,8 +112,8 @@ def resume(owner: Any, tags: list[str]) -> None:
 def _state() -> dict:
     from sglang_fp8rl.kv_scales.calibrate import kv_scale_record
     from sglang_fp8rl.kv_scales.engine import kv_state
+    from sglang_fp8rl.weight_sync.engine_state import engine_state
     from sglang_fp8rl.weight_sync.step import current_step
-    from sglang_fp8rl.weight_sync.update import engine_state
 
     state = engine_state()
     return {"consistent": state.consistent, "dirty": sorted(state.dirty), "reason": state.inconsistent_reason,

@@ -49,12 +49,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# what parsing a command line with our quantization sets in this process: our options (server_args.set_options) and
+# DeepGEMM's precompile default (server_args.lazy_deepgemm_compile); a later test must see neither
+PARSE_SIDE_EFFECTS = ("FP8RL_OPTIONS", "SGLANG_JIT_DEEPGEMM_PRECOMPILE")
+
+
+def _restore(saved: dict) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_parse_side_effects_of_a_module():
+    """The same at the end of every module: a module-scoped fixture's parse happens before any test's own guard."""
+    saved = {name: os.environ.get(name) for name in PARSE_SIDE_EFFECTS}
+    yield
+    _restore(saved)
+
+
 @pytest.fixture(autouse=True)
-def _restore_fp8rl_options(monkeypatch):
-    """A test that parses a command line publishes its options in FP8RL_OPTIONS (server_args.set_options); restore
-    the variable afterwards so that later tests see the defaults (monkeypatch undoes both calls at teardown)."""
-    name = "FP8RL_OPTIONS"
-    if name in os.environ:
-        monkeypatch.setenv(name, os.environ[name])
-    else:
-        monkeypatch.delenv(name, raising=False)
+def _restore_parse_side_effects():
+    """Restore the variables a parsed command line sets, so that no test's outcome depends on which tests ran
+    before it in the same process."""
+    saved = {name: os.environ.get(name) for name in PARSE_SIDE_EFFECTS}
+    yield
+    _restore(saved)

@@ -65,7 +65,7 @@ def attention_tp(model) -> dict[str, tuple[int, int]]:
 
 
 def _state() -> dict:
-    from sglang_fp8rl.weight_sync.update import engine_state
+    from sglang_fp8rl.weight_sync.engine_state import engine_state
 
     return {"consistent": engine_state().consistent, "dirty": sorted(engine_state().dirty)}
 

@@ -68,8 +68,8 @@ def scenario_updates(runner, extra: dict) -> dict:
     """Apply a list of update requests (each a list of (name, tensor) from a saved file) through SGLang's
     WeightUpdater; record each answer, pointers before/after, parameters after each request, and logits at the end."""
     from sglang_fp8rl.weight_sync import request
+    from sglang_fp8rl.weight_sync.engine_state import engine_state
     from sglang_fp8rl.weight_sync.step import current_step
-    from sglang_fp8rl.weight_sync.update import engine_state
 
     model = runner.torch_runner.model
     updater = _updater(runner)
@@ -152,7 +152,7 @@ def device_error_at_write(n: int, enabled: bool = True):
 
 def scenario_device_failure(runner, extra: dict) -> dict:
     """A failure after writing started (simulated device error in the 3rd quantized write), then a full update."""
-    from sglang_fp8rl.weight_sync.update import engine_state
+    from sglang_fp8rl.weight_sync.engine_state import engine_state
 
     model = runner.torch_runner.model
     updater = _updater(runner)
@@ -210,8 +210,8 @@ def scenario_client(runner, extra: dict) -> dict:
 def scenario_tp_fault(runner, extra: dict) -> dict:
     """Rank-local failures on TP rank 1 only: (a) validation runs out of memory, (b) a device error while writing;
     then (c) a complete update. Every rank records its answers, parameters and engine state after each request."""
-    import sglang_fp8rl.hooks.weight_updater as hooks_updater
-    from sglang_fp8rl.weight_sync.update import engine_state
+    import sglang_fp8rl.weight_sync.pipeline as pipeline
+    from sglang_fp8rl.weight_sync.engine_state import engine_state
 
     model = runner.torch_runner.model
     updater = _updater(runner)
@@ -224,13 +224,13 @@ def scenario_tp_fault(runner, extra: dict) -> dict:
         out["steps"].append({"name": name, "answer": answer, "params": snapshot(model),
                              "consistent": engine_state().consistent, "dirty": sorted(engine_state().dirty)})
 
-    real_validate = hooks_updater.validate_request
+    real_validate = pipeline.validate_request
     if faulty:
         def out_of_memory(*args, **kwargs):
             raise torch.OutOfMemoryError("simulated: out of memory in the dry-run scratch")
-        hooks_updater.validate_request = out_of_memory
+        pipeline.validate_request = out_of_memory
     step("validation_oom")
-    hooks_updater.validate_request = real_validate
+    pipeline.validate_request = real_validate
     with device_error_at_write(3, enabled=faulty):
         step("write_error")
     step("complete")
@@ -240,7 +240,7 @@ def scenario_tp_fault(runner, extra: dict) -> dict:
 def scenario_atomic(runner, extra: dict) -> dict:
     """All-or-nothing steps with the trainer client: a step whose last bucket the engine refuses, then a good one."""
     from sglang_fp8rl.weight_sync.client import WeightPushError, push_state_dict
-    from sglang_fp8rl.weight_sync.update import engine_state
+    from sglang_fp8rl.weight_sync.engine_state import engine_state
 
     model = runner.torch_runner.model
     engine = RunnerEngine(runner)
@@ -501,7 +501,7 @@ def scenario_lifecycle(runner, extra: dict) -> dict:
     from sglang_fp8rl.kv_scales.layers import attention_layers, read_scales
     from sglang_fp8rl.weight_sync import request as request_module
     from sglang_fp8rl.weight_sync.client import WeightPushError, push_state_dict
-    from sglang_fp8rl.weight_sync.update import engine_state
+    from sglang_fp8rl.weight_sync.engine_state import engine_state
 
     mr = runner.torch_runner
     model, updater = mr.model, updater_of(mr)
@@ -530,16 +530,16 @@ def scenario_lifecycle(runner, extra: dict) -> dict:
             model.__dict__["_fp8rl_apply_round"] = load_format is None
             return super().update_weights_from_tensor(named_tensors, load_format, flush_cache)
 
-    from sglang_fp8rl.hooks import weight_updater as hooks_updater
+    from sglang_fp8rl.weight_sync import pipeline
 
-    hooks_updater.validate_request = failing_in_apply
+    pipeline.validate_request = failing_in_apply
     try:
         push_state_dict(Engine(runner), w1, bucket_bytes=extra["bucket_bytes"])
         out["atomic_error"] = None
     except WeightPushError as e:
         out["atomic_error"] = str(e)
     finally:
-        hooks_updater.validate_request = real_validate
+        pipeline.validate_request = real_validate
         model.__dict__.pop("_fp8rl_apply_round", None)
     out["consistent_after_broken_step"] = engine_state().consistent
     out["dirty_after_broken_step"] = len(engine_state().dirty)

@@ -28,8 +28,8 @@ class Records(logging.Handler):
 
 
 def _state() -> dict:
+    from sglang_fp8rl.weight_sync.engine_state import engine_state
     from sglang_fp8rl.weight_sync.step import current_step
-    from sglang_fp8rl.weight_sync.update import engine_state
 
     state = engine_state()
     return {"consistent": state.consistent, "dirty": sorted(state.dirty), "reason": state.inconsistent_reason,
@@ -48,9 +48,9 @@ def _push(engine, weights: dict, bucket_bytes: int) -> str | None:
 
 def _refuse_apply_bucket(model, n: int):
     """Make the n-th request of each apply round refuse (a rank-local failure while validating it); returns undo."""
-    from sglang_fp8rl.hooks import weight_updater as hooks_updater
+    from sglang_fp8rl.weight_sync import pipeline
 
-    real = hooks_updater.validate_request
+    real = pipeline.validate_request
     seen = {"n": 0}
 
     def validate(model_, load_weights, named, *args, **kwargs):
@@ -60,10 +60,10 @@ def _refuse_apply_bucket(model, n: int):
                 raise MemoryError("simulated out of memory while validating")
         return real(model_, load_weights, named, *args, **kwargs)
 
-    hooks_updater.validate_request = validate
+    pipeline.validate_request = validate
 
     def undo() -> None:
-        hooks_updater.validate_request = real
+        pipeline.validate_request = real
 
     return seen, undo
 

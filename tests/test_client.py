@@ -186,8 +186,9 @@ def test_cpu_payload_deserializes_in_an_unrelated_process(tmp_path):
 
 
 def test_the_trainer_end_of_an_nccl_group_matches_sglangs_nccl_settings(caplog):
-    """SGLang's engine runs NCCL with NCCL_CUMEM_ENABLE=0 (its _set_envs_and_config, the default server args); the
-    client sets the same where the trainer left it unset and warns about a different value."""
+    """SGLang's engine runs NCCL with NCCL_CUMEM_ENABLE=0 (its _set_envs_and_config, the default server args: off
+    unless --enable-symm-mem, and from 0.5.23 unless KV-cache sharding's symmetric scratch asks for it); the client
+    sets the same where the trainer left it unset and warns about a different value."""
     import inspect
     import logging
 
@@ -195,8 +196,10 @@ def test_the_trainer_end_of_an_nccl_group_matches_sglangs_nccl_settings(caplog):
 
     from sglang_fp8rl.weight_sync.client import ENGINE_NCCL_ENV, match_engine_nccl_env
 
-    assert 'os.environ["NCCL_CUMEM_ENABLE"] = str(int(server_args.enable_symm_mem))' in inspect.getsource(
-        engine._set_envs_and_config)
+    source = " ".join(inspect.getsource(engine._set_envs_and_config).split())
+    assert any(form in source for form in (
+        'os.environ["NCCL_CUMEM_ENABLE"] = str(int(server_args.enable_symm_mem))',  # 0.5.12-0.5.21
+        'os.environ["NCCL_CUMEM_ENABLE"] = str( int(cfg.enable_symm_mem or kv_shard_symmetric_scratch) )'))  # 0.5.23
     env: dict = {}
     match_engine_nccl_env(env)
     assert env == ENGINE_NCCL_ENV == {"NCCL_CUMEM_ENABLE": "0"}

@@ -14,8 +14,9 @@ import pytest
 import torch
 from sgl_model import as_bytes, run_worker, write_w0_w1
 
+from sglang_fp8rl.engine import reset
 from sglang_fp8rl.hooks import scheduler as scheduler_hooks
-from sglang_fp8rl.weight_sync import update
+from sglang_fp8rl.weight_sync.engine_state import EVERYTHING, engine_state
 from sglang_fp8rl.weight_sync.request import Destinations
 
 pytestmark = pytest.mark.slow
@@ -122,9 +123,10 @@ def test_a_colocated_step_ends_on_a_cold_start(run):
 
 
 @pytest.fixture
-def fresh_state(monkeypatch):
-    monkeypatch.setattr(update, "_STATE", update.EngineState())
-    return update.engine_state()
+def fresh_state():
+    reset("engine_state")
+    yield engine_state()
+    reset("engine_state")
 
 
 def writes_to(*params: torch.nn.Parameter) -> Destinations:
@@ -141,10 +143,10 @@ def test_everything_goes_once_every_parameter_was_rewritten_since_it_was_marked(
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
     params = list(model.parameters())
     state.note_written(model, writes_to(*params))  # nothing marked yet: not counted
-    state.mark_dirty((), update.EVERYTHING)
+    state.mark_dirty((), EVERYTHING)
     state.note_written(model, writes_to(*params[:2]))
     state.mark_written(["a"])
-    assert state.dirty == {update.EVERYTHING} and "2 other parameters" in state.unwritten_summary()
+    assert state.dirty == {EVERYTHING} and "2 other parameters" in state.unwritten_summary()
     state.note_written(model, writes_to(*params[2:]))
     state.mark_written([], agreed=False)  # rank-local (a guarded load_weights): no decision
     assert not state.consistent

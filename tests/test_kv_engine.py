@@ -133,7 +133,6 @@ def test_a_refused_flush_after_an_update_does_not_kill_the_scheduler_and_is_retr
     from types import SimpleNamespace
 
     from sglang_fp8rl.hooks import kv_cache
-    from sglang_fp8rl.weight_sync import update
 
     flushes = []
     model = SimpleNamespace()
@@ -145,13 +144,13 @@ def test_a_refused_flush_after_an_update_does_not_kill_the_scheduler_and_is_retr
 
     monkeypatch.setattr(kv_cache, "is_attached", lambda m: m is model)  # a model served by the plugin
     monkeypatch.setattr(kv_cache.updates, "scheduler_update_manager", lambda s: s.weight_updater)
-    monkeypatch.setattr(update.engine_state(), "flush_due", False)
+    monkeypatch.setattr(kv_cache.cache_state(), "flush_due", False)
     request = SimpleNamespace(flush_cache=True, torch_empty_cache=False)
     kv_cache.wrap_flush_after_update(original)(manager, request)  # refused, no assert
-    assert update.engine_state().flush_due and flushes == ["flush"]
+    assert kv_cache.cache_state().flush_due and flushes == ["flush"]
     scheduler = SimpleNamespace(is_fully_idle=lambda: True, weight_updater=manager)
     kv_cache.wrap_on_idle(lambda self: None)(scheduler)
-    assert not update.engine_state().flush_due and flushes == ["flush", "flush"]
+    assert not kv_cache.cache_state().flush_due and flushes == ["flush", "flush"]
 
 
 @pytest.mark.parametrize("kv", [True, False], ids=["fp8_kv", "bf16_kv"])

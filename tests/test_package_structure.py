@@ -19,6 +19,8 @@ KERNEL_FILES = {"sglang_fp8rl.kernels.triton_quant", "sglang_fp8rl.kernels.block
 # (docs/ARCHITECTURE.md). The first matching prefix wins.
 LAYERS: list[tuple[str, int]] = [
     ("sglang_fp8rl.compat", 0),  # SGLang version differences: imports SGLang, nothing of ours
+    # this process's engine-wide state, one owner per concern: every layer reaches it, it imports nothing of ours
+    ("sglang_fp8rl.engine", 0),
     ("sglang_fp8rl.quant", 0),
     ("sglang_fp8rl.rollout_correction", 0),
     # SGLang's TP groups and the verdict every TP rank agrees on: weight_sync/ and kv_scales/ both use it

@@ -8,17 +8,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_fp8rl.engine import OWNERS, reset
 from sglang_fp8rl.hooks import scheduler as scheduler_hooks
 from sglang_fp8rl.hooks import tokenizer as tokenizer_hooks
 from sglang_fp8rl.parallel import Verdict, combine
-from sglang_fp8rl.weight_sync import guard, update
+from sglang_fp8rl.weight_sync import guard
+from sglang_fp8rl.weight_sync.engine_state import EVERYTHING, engine_state
 from sglang_fp8rl.weight_sync.request import Validated
 from sglang_fp8rl.weight_sync.validate import UpdateRejected
 
 
 @pytest.fixture(autouse=True)
-def fresh_state(monkeypatch):
-    monkeypatch.setattr(update, "_STATE", update.EngineState())
+def fresh_state():
+    reset("engine_state")
+    yield
+    reset("engine_state")
 
 
 def prepared(*names: str, full: bool = False) -> guard.Prepared:
@@ -47,7 +51,7 @@ def test_rejection_and_unexpected_errors_are_answers_not_exceptions():
     assert not ok and message == guard.REJECTED + "x.weight: bad"
     ok, message = guard.run(MODEL, "disk", breaks, write_ok, context="checkpoint '/ckpt'")
     assert not ok and message == guard.REJECTED + "checkpoint '/ckpt': KeyError: 'surprise'"
-    assert update.engine_state().consistent and update.engine_state().writes == 0
+    assert engine_state().consistent and engine_state().writes == 0
 
 
 def test_dirty_tensors_keep_the_engine_inconsistent_until_all_are_resent():
@@ -55,7 +59,7 @@ def test_dirty_tensors_keep_the_engine_inconsistent_until_all_are_resent():
     re-sends them does; every answer in between carries the mark the HTTP process reads."""
     ok, message = guard.run(MODEL, "tensor", lambda: prepared("a", "b"), write_fails)
     assert not ok and guard.INCONSISTENT_MARK in message and "simulated CUDA error" in message
-    state = update.engine_state()
+    state = engine_state()
     assert not state.consistent and state.dirty == {"a", "b"}
     ok, message = guard.run(MODEL, "tensor", lambda: prepared("c"), write_ok)
     assert ok and guard.INCONSISTENT_MARK in message and state.dirty == {"a", "b"}
@@ -66,9 +70,9 @@ def test_dirty_tensors_keep_the_engine_inconsistent_until_all_are_resent():
 
 
 def test_a_full_disk_update_clears_any_inconsistency():
-    state = update.engine_state()
+    state = engine_state()
     state.mark_dirty((), "an IPC update failed on some rank")
-    assert state.dirty == {update.EVERYTHING}
+    assert state.dirty == {EVERYTHING}
     ok, _ = guard.run(MODEL, "disk", lambda: prepared("a", full=False), write_ok)
     assert ok and not state.consistent  # a filtered disk update is not complete
     ok, message = guard.run(MODEL, "disk", lambda: prepared("a", full=True), write_ok)
@@ -85,14 +89,14 @@ def test_verdicts_combine_across_ranks():
 def test_unvalidated_entry_points_agree_on_the_outcome():
     """checkpoint-engine IPC: SGLang's own method; a failure after a write marks the engine inconsistent."""
     def wrote_then_failed() -> tuple[bool, str]:
-        update.engine_state().writes += 1
+        engine_state().writes += 1
         return False, "ipc broke"
 
     ok, message = guard.run_unvalidated(MODEL, "ipc", wrote_then_failed)
-    assert not ok and guard.INCONSISTENT_MARK in message and not update.engine_state().consistent
-    update.engine_state().mark_written((), full=True)
+    assert not ok and guard.INCONSISTENT_MARK in message and not engine_state().consistent
+    engine_state().mark_written((), full=True)
     ok, message = guard.run_unvalidated(MODEL, "ipc", lambda: (False, "refused before writing"))
-    assert not ok and message.startswith(guard.REJECTED) and update.engine_state().consistent
+    assert not ok and message.startswith(guard.REJECTED) and engine_state().consistent
     ok, _ = guard.run_unvalidated(MODEL, "ipc", lambda: (_ for _ in ()).throw(ConnectionError("zmq")))
     assert not ok
 
@@ -124,7 +128,7 @@ def test_refusal_reaches_requests_waiting_for_their_grammar():
     class Recv:
         rid = "grammar-1"
 
-    update.engine_state().mark_dirty(["a"], "update #3 failed")
+    engine_state().mark_dirty(["a"], "update #3 failed")
     sched = SchedulerLike()
     scheduler_hooks.wrap_generate(handle)(sched, Recv())
     refused = sched.grammar_manager.grammar_queue[-1]
@@ -228,7 +232,7 @@ def test_calibrated_kv_write_saturates_instead_of_overflowing(monkeypatch):
     from sglang_fp8rl.hooks import kv_cache
     from sglang_fp8rl.kv_scales import engine
 
-    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate"))
+    monkeypatch.setattr(OWNERS, "kv_scales", engine.KVScaleState(mode="calibrate"))
     pool = MHATokenToKVPool(size=16, page_size=1, dtype=torch.float8_e4m3fn, head_num=1, head_dim=4, layer_num=1,
                             device="cpu", enable_memory_saver=False)
     layer = RadixAttention(num_heads=1, head_dim=4, scaling=1.0, num_kv_heads=1, layer_id=0)
@@ -239,7 +243,7 @@ def test_calibrated_kv_write_saturates_instead_of_overflowing(monkeypatch):
     assert k.float().tolist() == [[[0.5, -1.0, 250.0, -448.0]]]  # divided in place (as SGLang), then saturated
     assert pool.get_key_buffer(0)[3].float().tolist() == [[0.5, -1.0, 256.0, -448.0]]  # E4M3 of 250 is 256
     assert pool.get_value_buffer(0)[3].float().tolist() == [[1.0, 0.5, 6.0, -6.0]]
-    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="static"))
+    monkeypatch.setattr(OWNERS, "kv_scales", engine.KVScaleState(mode="static"))
     k2 = torch.tensor([[[1.0, -2.0, 500.0, -900.0]]], dtype=torch.bfloat16)
     write(pool, layer, torch.tensor([4]), k2, v.clone(), torch.tensor(2.0), torch.tensor(0.5))
     assert k2.float().tolist() == [[[0.5, -1.0, 250.0, -450.0]]]  # static: SGLang's own write, untouched
@@ -259,21 +263,24 @@ def test_calibrated_kv_write_path_choice(monkeypatch):
                             device="cpu", enable_memory_saver=False)
     k = v = torch.zeros(3, 2, 4, dtype=torch.bfloat16)
     args = (pool, 0, k, v, torch.tensor(1.0), torch.tensor(1.0), torch.arange(3))
-    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate"))
+    monkeypatch.setattr(OWNERS, "kv_scales", engine.KVScaleState(mode="calibrate"))
     assert "--fp8rl-kv-write sglang" in kv_cache.fused_write_reason(*args, {})  # asked for SGLang's write
-    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", fused_write=True))
-    assert "CUDA" in kv_cache.fused_write_reason(*args, {})
+    monkeypatch.setattr(OWNERS, "kv_scales", engine.KVScaleState(mode="calibrate", fused_write=True))
+    # before 0.5.15 SGLang's pool stores inline, without the _store_kv_layer the kernel replaces: never fused there
+    from sglang_fp8rl.compat.kv_pool import stores_kv_like_mha
+    assert ("CUDA" if stores_kv_like_mha(pool) else "MHATokenToKVPool stores its layers its own way") in \
+        kv_cache.fused_write_reason(*args, {})
     assert "DCP mask" in kv_cache.fused_write_reason(*args, {"dcp_kv_mask": torch.ones(3, dtype=torch.bool)})
-    monkeypatch.setattr(pool, "kv_cache_layout", "vectorized_5d")
+    monkeypatch.setattr(pool, "kv_cache_layout", "vectorized_5d", raising=False)  # 0.5.12 has no layouts
     assert "vectorized_5d" in kv_cache.fused_write_reason(*args, {})
     fp32 = ScalePolicy(scale_format="fp32")
-    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", policy=fp32, fused_write=True))
+    monkeypatch.setattr(OWNERS, "kv_scales", engine.KVScaleState(mode="calibrate", policy=fp32, fused_write=True))
     assert "pow2" in kv_cache.fused_write_reason(*args, {})
 
     # asked for but unable to run (CPU): the write falls back to the saturating division, and a call without a layer
     # object (SGLang's layer_id_override) still works
-    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", fused_write=True))
-    monkeypatch.setattr(pool, "kv_cache_layout", "nhd")
+    monkeypatch.setattr(OWNERS, "kv_scales", engine.KVScaleState(mode="calibrate", fused_write=True))
+    monkeypatch.setattr(pool, "kv_cache_layout", "nhd", raising=False)
     write = kv_cache.wrap_set_kv_buffer(MHATokenToKVPool.set_kv_buffer)
     k = torch.tensor([[[1.0, -2.0, 500.0, -900.0], [0.5, 0.25, 3.0, -3.0]]], dtype=torch.bfloat16)
     write(pool, RadixAttention(num_heads=2, head_dim=4, scaling=1.0, num_kv_heads=2, layer_id=0), torch.tensor([5]),
@@ -317,7 +324,7 @@ def test_kv_calibration_only_on_verified_backends(monkeypatch):
             return None
 
     for explicit in (False, True):
-        monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=explicit))
+        monkeypatch.setattr(OWNERS, "kv_scales", engine.KVScaleState(mode="calibrate", explicit=explicit))
         other = runner(TRTLLMHAAttnBackend())
         if explicit:
             with pytest.raises(ValueError, match="not verified"):
@@ -326,13 +333,13 @@ def test_kv_calibration_only_on_verified_backends(monkeypatch):
             kv_cache.use_backend(other)
             assert engine.kv_state().mode == "static" and other.model.attn.k_scale is None
     # the verification switch lets calibration try such a backend, which then needs a known way of reading scales
-    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=True))
+    monkeypatch.setattr(OWNERS, "kv_scales", engine.KVScaleState(mode="calibrate", explicit=True))
     monkeypatch.setenv("FP8RL_KV_ALLOW_UNVERIFIED_BACKEND", "1")
     with pytest.raises(ValueError, match="not known to read FP8 KV scales"):
         kv_cache.use_backend(runner(TRTLLMHAAttnBackend()))
     # FlashAttention-3 (SGLang's default on Hopper) is verified: it reads the scale tensors, so no fold
     monkeypatch.delenv("FP8RL_KV_ALLOW_UNVERIFIED_BACKEND")
-    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=True))
+    monkeypatch.setattr(OWNERS, "kv_scales", engine.KVScaleState(mode="calibrate", explicit=True))
     fa3 = runner(FlashAttentionBackend())
     kv_cache.use_backend(fa3)
     assert isinstance(fa3.model.attn.k_scale, torch.Tensor) and engine.kv_state().calibrated_under == {0: (1.0, 1.0)}
@@ -341,7 +348,7 @@ def test_kv_calibration_only_on_verified_backends(monkeypatch):
     flashinfer = runner(FlashInferAttnBackend())
     kv_cache.use_backend(flashinfer)
     assert getattr(flashinfer.attn_backend.forward_decode, "_fp8rl_kv_fold", False)
-    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", explicit=True))
+    monkeypatch.setattr(OWNERS, "kv_scales", engine.KVScaleState(mode="calibrate", explicit=True))
     with pytest.raises(ValueError, match="speculative decoding"):
         kv_cache.use_backend(runner(TritonAttnBackend(), speculative_algorithm="EAGLE"))
     triton = runner(TritonAttnBackend())

@@ -208,8 +208,9 @@ def test_generation_refused_while_inconsistent(monkeypatch):
     """While the engine is inconsistent, a generate request is finished with an error (Req.set_finish_with_abort,
     SGLang's own abort path) and a health-check request gets no answer; when consistent, requests pass untouched.
     The Scheduler and Req need a CUDA/TP world, so a queue and a request stand-in are used here."""
+    from sglang_fp8rl.engine import OWNERS
     from sglang_fp8rl.hooks import scheduler as scheduler_hooks
-    from sglang_fp8rl.weight_sync import update
+    from sglang_fp8rl.weight_sync.engine_state import EngineState
 
     class Recv:
         def __init__(self, rid):
@@ -234,8 +235,8 @@ def test_generation_refused_while_inconsistent(monkeypatch):
     handle(sched, Recv("ok-1"))
     assert sched.waiting_queue[-1].abort_message is None
 
-    monkeypatch.setattr(update, "_STATE",
-                        update.EngineState(dirty={"x.weight"}, inconsistent_reason="update #7 failed"))
+    monkeypatch.setattr(OWNERS, "engine_state",
+                        EngineState(dirty={"x.weight"}, inconsistent_reason="update #7 failed"))
     handle(sched, Recv("r-2"))
     aborted = sched.waiting_queue[-1]
     assert aborted.rid == "r-2"

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from sglang_fp8rl.weight_sync.protocol import SCALE_SUFFIX, STEP_COMPLETE
+from sglang_fp8rl.weight_sync.protocol import FLATTENED_BUCKET, SCALE_SUFFIX, STEP_COMPLETE
 
 W1_SEED = 1234
 W2_SEED = 4321
@@ -20,7 +20,6 @@ ROUTER_SUFFIX = ".mlp.gate.weight"  # Qwen3-MoE router: a replicated linear, kep
 EMBED = "model.embed_tokens.weight"
 UNKNOWN_NAME = "model.layers.0.mlp.nope.weight"
 PAD_NAME = "model.norm.weight_pad"  # the 0-d BF16 entry that misaligns a flattened bucket
-FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format (hooks/weight_updater.py names it for the engine side)
 SHARD_FILES = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 SINGLE_FILE = "model.safetensors"
 STEP_BUCKET_BYTES = 128 << 20  # the atomic-step refusal: several buckets, the bad name in the last one

@@ -16,10 +16,13 @@ capture, calibrated after capture, and recalibrated after every complete weight 
   step, the TP ranks agree that each is idle with enough free KV slots, then recalibrate together, agreeing again
   after every stage; otherwise, or if any stage failed on any rank, every rank keeps its previous scales and the skip
   is counted (``deferred`` in the telemetry).
+* ``flush_cache_after_weight_update`` (up to 0.5.21) and ``Scheduler.on_idle``: a flush refused while requests run is
+  remembered (:class:`CacheState`) and run when the engine is idle.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from typing import Any, Callable, Optional
@@ -35,6 +38,7 @@ from sglang_fp8rl.compat.kv_pool import (
     stores_kv_like_mha,
 )
 from sglang_fp8rl.compat.runtime import ready_for_forward
+from sglang_fp8rl.engine import OWNERS, declare
 from sglang_fp8rl.kv_scales import resolve_kv_scale_mode
 from sglang_fp8rl.kv_scales.calibrate import recalibrate
 from sglang_fp8rl.kv_scales.decode_fold import decode_backend, install_decode_fold, unverified_reason
@@ -44,10 +48,26 @@ from sglang_fp8rl.kv_scales.layers import attach_scales, read_scales
 from sglang_fp8rl.kv_scales.numerics import saturating_scale_
 from sglang_fp8rl.parallel import Verdict, agree, tp_device_group
 from sglang_fp8rl.server_args import get_options
-from sglang_fp8rl.weight_sync.update import EVERYTHING, engine_state, is_attached
+from sglang_fp8rl.weight_sync.engine_state import EVERYTHING, engine_state
+from sglang_fp8rl.weight_sync.load_guard import is_attached
 
 logger = logging.getLogger(__name__)
 
+
+@dataclasses.dataclass
+class CacheState:
+    """This hook's own state in this process, ``OWNERS.kv_cache`` (:mod:`sglang_fp8rl.engine`)."""
+
+    flush_due: bool = False  # an update's cache flush was refused while requests ran: flushed when idle
+    logged_write_paths: set[Optional[str]] = dataclasses.field(default_factory=set)  # K/V write paths logged once
+
+
+declare("kv_cache", CacheState)
+
+
+def cache_state() -> CacheState:
+    """This process's cache-hook state: ``OWNERS.kv_cache``."""
+    return OWNERS.kv_cache
 
 
 def set_up_kv_scales(runner: Any) -> None:
@@ -212,15 +232,13 @@ def _async_asserts_on() -> bool:
 
 
 def _log_write_path(reason: Optional[str]) -> None:
-    if reason not in _LOGGED_WRITE_PATHS:
-        _LOGGED_WRITE_PATHS.add(reason)
+    logged = OWNERS.kv_cache.logged_write_paths  # every K/V write asks: no accessor call on this path
+    if reason not in logged:
+        logged.add(reason)
         if reason is None:
             logger.info("[fp8rl] FP8 KV writes: one fused kernel per layer (scale, saturate, cast, store)")
         else:
             logger.info("[fp8rl] FP8 KV writes: SGLang's path with a saturating division (%s)", reason)
-
-
-_LOGGED_WRITE_PATHS: set = set()
 
 
 def write_fused(pool: Any, arguments: dict) -> bool:
@@ -286,7 +304,7 @@ def wrap_flush_after_update(original: Callable) -> Callable:
             return original(self, recv_req, *args, **kwargs)
         empty_cache = getattr(recv_req, "torch_empty_cache", False)  # SGLang's own call passes it
         if getattr(recv_req, "flush_cache", False) and not self.flush_cache(empty_cache=empty_cache):
-            engine_state().flush_due = True
+            cache_state().flush_due = True
             logger.warning("[fp8rl] the cache was not flushed after this update (requests are running); it is "
                            "flushed as soon as the engine is idle")
         return None
@@ -299,7 +317,7 @@ def wrap_on_idle(original: Callable) -> Callable:
     were running (every TP rank polls this in step; it costs two flag checks when nothing is due)."""
     def on_idle(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        state = engine_state()
+        state = cache_state()
         if (state.flush_due or kv_state().due) and self.is_fully_idle():
             manager = updates.scheduler_update_manager(self)
             if state.flush_due and manager.flush_cache():

@@ -11,12 +11,12 @@ a resume (it copies back only the model's buffers, which it saved at the release
 
 So, for a model served with this package:
 
-* while the weights are released, a weight update is refused, saying why (SGLang would write to unmapped memory);
-  while anything is released, generation is refused and a due KV recalibration waits (its forward reads the weights
-  and writes the KV pool);
+* while the weights are released, a weight update is refused, saying why (SGLang would write to unmapped memory:
+  :func:`sglang_fp8rl.weight_sync.pipeline.weights_released_error`); while anything is released, generation is
+  refused and a due KV recalibration waits (its forward reads the weights and writes the KV pool);
 * weights resumed without a CPU backup hold whatever the GPU left there: the engine is marked inconsistent
-  (:data:`~sglang_fp8rl.weight_sync.update.EVERYTHING`) and refuses to serve until the writes since have reached every
-  parameter (the trainer's next full push); that step's end makes a KV recalibration due as any step does (the
+  (:data:`~sglang_fp8rl.weight_sync.engine_state.EVERYTHING`) and refuses to serve until the writes since have reached
+  every parameter (the trainer's next full push); that step's end makes a KV recalibration due as any step does (the
   trainer sends no KV scales), and it runs once nothing is released any more. The KV scales themselves are never
   released, so they need neither a host copy nor a recalibration of their own;
 * with a CPU backup nothing is marked: the bytes come back as they were.
@@ -27,26 +27,18 @@ Nothing here raises into SGLang's scheduler: our part runs after SGLang's method
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from sglang.srt.constants import GPU_MEMORY_TYPE_WEIGHTS as WEIGHTS
 
 from sglang_fp8rl.hooks.kv_cache import recalibrate_if_due
-from sglang_fp8rl.weight_sync.update import engine_state, is_attached
+from sglang_fp8rl.weight_sync.engine_state import engine_state
+from sglang_fp8rl.weight_sync.load_guard import is_attached
 
 logger = logging.getLogger(__name__)
 
 LOST = ("the weights were resumed from SGLang's memory saver without a CPU backup (--enable-weights-cpu-backup): "
         "their GPU memory holds whatever was there until a weight update rewrites every parameter")
-
-
-def weights_released_error() -> Optional[str]:
-    """Why a weight update cannot be written now (the weights are released), or None."""
-    if WEIGHTS not in engine_state().released:
-        return None
-    return ("the model's weights are released (/release_memory_occupation): their GPU memory is not mapped, so "
-            "nothing can be written to it; resume them first (/resume_memory_occupation with tags [\"weights\"]), "
-            "then send the update")
 
 
 def released_message() -> str:

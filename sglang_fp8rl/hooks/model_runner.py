@@ -10,7 +10,7 @@ from sglang_fp8rl.hooks.kv_cache import set_up_kv_scales
 from sglang_fp8rl.kernels import deepgemm, gemm_select, jit_warmup
 from sglang_fp8rl.layers.linear import block_shapes
 from sglang_fp8rl.server_args import get_options
-from sglang_fp8rl.weight_sync.update import attach
+from sglang_fp8rl.weight_sync.load_guard import attach
 
 logger = logging.getLogger(__name__)
 

@@ -16,18 +16,20 @@ from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
 from sglang_fp8rl.compat.runtime import internal_state_dict
 from sglang_fp8rl.hooks.memory import released_message
-from sglang_fp8rl.kv_scales.calibrate import kv_scale_record
 from sglang_fp8rl.kv_scales.engine import describe, kv_state
 from sglang_fp8rl.layers.config import scheme_report
+from sglang_fp8rl.weight_sync.engine_state import EVERYTHING, engine_state
+from sglang_fp8rl.weight_sync.load_guard import is_attached
 from sglang_fp8rl.weight_sync.step import current_step
-from sglang_fp8rl.weight_sync.update import EVERYTHING, engine_state, is_attached, last_update_stats
+from sglang_fp8rl.weight_sync.telemetry import last_update_stats
 
 logger = logging.getLogger(__name__)
 
 
 def telemetry(model: Optional[torch.nn.Module]) -> dict[str, Any]:
-    """Our state for /get_server_info: update count, last update, consistency, per-scheme layer counts."""
-    state = engine_state()
+    """Our state for /get_server_info: update count, last update, consistency, per-scheme layer counts, the KV scales
+    and the step (each read from its owner: sglang_fp8rl/engine.py)."""
+    state, kv = engine_state(), kv_state()
     report = scheme_report(model) if model is not None else None
     fp8_ptrs = [p.data_ptr() for p in model.parameters() if p.dtype == torch.float8_e4m3fn] if model else []
     return {
@@ -40,7 +42,7 @@ def telemetry(model: Optional[torch.nn.Module]) -> dict[str, Any]:
         "not_rewritten": state.unwritten_summary() if EVERYTHING in state.dirty else "",
         "last_update": last_update_stats(),
         "schemes": report.as_dict() if report is not None else None,
-        "kv_scales": describe(kv_state(), kv_scale_record().as_dict()),
+        "kv_scales": describe(kv, kv.record.as_dict()),
         "step": current_step().describe(),
     }
 

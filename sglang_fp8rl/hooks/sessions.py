@@ -17,8 +17,8 @@ from sglang_fp8rl.compat import updates
 from sglang_fp8rl.hooks.kv_cache import recalibrate_if_due
 from sglang_fp8rl.weight_sync import guard
 from sglang_fp8rl.weight_sync.fp8_payload import without_partners
+from sglang_fp8rl.weight_sync.load_guard import is_attached
 from sglang_fp8rl.weight_sync.step import apply_commit, current_step, end_step
-from sglang_fp8rl.weight_sync.update import is_attached
 
 logger = logging.getLogger(__name__)
 

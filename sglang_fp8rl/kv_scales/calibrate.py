@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import json
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -25,6 +24,7 @@ import torch
 from sglang_fp8rl.kv_scales.forward import TPStages, measure_amax
 from sglang_fp8rl.kv_scales.layers import attention_layers, layer_labels, read_scales, write_scales
 from sglang_fp8rl.kv_scales.numerics import ScalePolicy, scales_from_amax
+from sglang_fp8rl.kv_scales.state import KVScaleRecord, kv_state
 
 logger = logging.getLogger(__name__)
 
@@ -115,39 +115,9 @@ class Calibration:
                 f"v in [{min(vs):g}, {max(vs):g}]")
 
 
-class KVScaleRecord:
-    """The last scales written and how they were obtained (for /get_server_info); thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.last: Optional[Calibration] = None
-        self.count = 0
-
-    def record(self, calibration: Calibration) -> None:
-        """Remember one write and log it once."""
-        with self._lock:
-            self.last = calibration
-            self.count += 1
-        logger.info("%s", calibration.summary())
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-friendly telemetry: per-layer scales, amax, time and source of the last write."""
-        with self._lock:
-            last, count = self.last, self.count
-        if last is None:
-            return {"writes": 0}
-        return {"writes": count, "source": last.source, "time": last.finished_at, "seconds": last.seconds,
-                "tokens": last.tokens, "sequences": last.sequences, "changed_layers": list(last.changed),
-                "scales": {str(i): list(s) for i, s in last.scales.items()},
-                "amax": {str(i): list(a) for i, a in last.amax.items()}}
-
-
-_RECORD = KVScaleRecord()
-
-
 def kv_scale_record() -> KVScaleRecord:
-    """This process's record of KV-scale writes."""
-    return _RECORD
+    """This process's record of KV-scale writes (part of its KV-scale state)."""
+    return kv_state().record
 
 
 def apply_scales(layers: Sequence[Any], scales: dict[int, tuple[float, float]], *, source: str, tokens: int = 0,
@@ -157,7 +127,7 @@ def apply_scales(layers: Sequence[Any], scales: dict[int, tuple[float, float]], 
     scales that served until now (default: the layers' current ones), for the record of what changed."""
     calibration = _write(layers, scales, source=source, tokens=tokens, amax=amax, before=before, sequences=sequences,
                          started=time.perf_counter() if started is None else started)
-    _RECORD.record(calibration)
+    kv_scale_record().record(calibration)
     return calibration
 
 
@@ -198,7 +168,7 @@ def recalibrate(model_runner: Any, token_ids: Sequence[Sequence[int]], policy: S
     finally:
         if calibration is None:  # every rank gets here after the same stage: each puts back what it served
             write_scales(layers, in_force)
-    _RECORD.record(calibration)
+    kv_scale_record().record(calibration)
     return calibration
 
 

@@ -1,4 +1,5 @@
-"""This process's FP8 KV-scale state: the mode, the calibration batch, and whether a recalibration is due.
+"""This process's FP8 KV-scale transitions: the mode and calibration batch set at load, a recalibration made due or
+done (the state itself: :mod:`.state`, ``OWNERS.kv_scales``).
 
 A recalibration becomes due when a weight-update step ends (:mod:`sglang_fp8rl.weight_sync.step` decides: not when
 the trainer sent every attention layer's scales during the step). It stays due until a calibration succeeds, so a
@@ -7,7 +8,6 @@ recalibration deferred because requests were running is retried at the next oppo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import random
@@ -20,42 +20,12 @@ from sglang_fp8rl.kv_scales.calibrate import (
     check_token_ids,
     load_token_ids,
 )
-from sglang_fp8rl.kv_scales.numerics import ScalePolicy
+from sglang_fp8rl.kv_scales.state import KVScaleState, kv_state
 
 logger = logging.getLogger(__name__)
 
 RANDOM_BATCH_SEED = 0
 NO_TOKENIZER = "no tokenizer"
-
-
-@dataclasses.dataclass
-class KVScaleState:
-    """Per-process KV-scale state (set at load in ``calibrate`` mode)."""
-
-    mode: str = "static"
-    explicit: bool = False  # the user asked for calibrate (not auto): an unverified backend is then an error
-    token_ids: list[list[int]] = dataclasses.field(default_factory=list)
-    batch_source: str = ""
-    policy: ScalePolicy = dataclasses.field(default_factory=ScalePolicy)
-    due: bool = False  # a step ended since the last successful calibration
-    deferred: int = 0  # due recalibrations skipped because the engine was busy or short of KV slots
-    fused_write: bool = False  # --fp8rl-kv-write fused: one kernel writes calibrated K/V (kernels/kv_store.py)
-    # the scales in force when the layers got their tensors (SGLang's, normally 1.0): every calibration runs under
-    # them, so that a recalibration measures what a fresh server's start-up calibration measures
-    calibrated_under: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
-
-    @property
-    def calibrating(self) -> bool:
-        """Whether this engine measures its KV scales."""
-        return self.mode == "calibrate"
-
-
-_STATE = KVScaleState()
-
-
-def kv_state() -> KVScaleState:
-    """This process's KV-scale state."""
-    return _STATE
 
 
 def random_token_ids(vocab_size: int, num_seqs: int = DEFAULT_CALIBRATION_SEQS,
@@ -120,20 +90,22 @@ def batch_within(token_ids: list[list[int]], free_slots: int,
 
 def mark_due() -> None:
     """A step ended that needs new scales: recalibrate at the next opportunity (kept until one succeeds)."""
-    _STATE.due = _STATE.calibrating
+    state = kv_state()
+    state.due = state.calibrating
 
 
 def mark_calibrated() -> None:
     """A calibration succeeded: nothing is due any more."""
-    _STATE.due = False
+    kv_state().due = False
 
 
 def set_up(mode: str, token_ids: list[list[int]], batch_source: str, explicit: bool = False,
            fused_write: bool = False) -> KVScaleState:
     """Set this process's mode, calibration batch and K/V write path (at load)."""
-    _STATE.mode, _STATE.token_ids, _STATE.batch_source, _STATE.explicit = mode, token_ids, batch_source, explicit
-    _STATE.fused_write = fused_write
-    return _STATE
+    state = kv_state()
+    state.mode, state.token_ids, state.batch_source, state.explicit = mode, token_ids, batch_source, explicit
+    state.fused_write = fused_write
+    return state
 
 
 def describe(state: KVScaleState, record: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The guarded update: obtain, validate, agree across TP ranks, write, agree again; answer, never raise.
 
-Every SGLang update entry point (:mod:`sglang_fp8rl.hooks.weight_updater`) hands this module two functions:
-``prepare`` (obtain the request's tensors from its transport and validate them; nothing is written) and ``write``.
+Every SGLang update entry point hands this module two functions (the pipeline's, :mod:`.pipeline`): ``prepare``
+(obtain the request's tensors from its transport and validate them; nothing is written) and ``write``.
 :func:`run` calls them in order with a TP agreement after each (:mod:`sglang_fp8rl.parallel`), so that all ranks apply
 an update or none does, and turns every outcome into SGLang's ``(success, message)`` answer:
 
@@ -24,11 +24,12 @@ from typing import Callable, Optional
 import torch
 
 from sglang_fp8rl.parallel import Verdict, agree
+from sglang_fp8rl.weight_sync.engine_state import engine_state
 from sglang_fp8rl.weight_sync.fp8_payload import Pairing, without_partners
 from sglang_fp8rl.weight_sync.protocol import ANSWER_MARK, INCONSISTENT_MARK
 from sglang_fp8rl.weight_sync.request import Validated
 from sglang_fp8rl.weight_sync.step import Commit, apply_commit, current_step, end_step, some_names
-from sglang_fp8rl.weight_sync.update import UpdateStats, engine_state, model_device, new_stats, peak_memory, record
+from sglang_fp8rl.weight_sync.telemetry import UpdateStats, measured, record
 from sglang_fp8rl.weight_sync.validate import UpdateRejected
 
 logger = logging.getLogger(__name__)
@@ -84,9 +85,8 @@ def run(model: torch.nn.Module, source: str, prepare: Callable[[], Prepared], wr
     """One guarded update (see the module doc); returns SGLang's (success, message). ``context`` (e.g. the checkpoint
     path) prefixes the messages of errors that do not name their tensor themselves; ``validate_only``: the request
     is a validation-round request (its refusal writes nothing of any step)."""
-    stats = new_stats(source)
     t0 = time.perf_counter()
-    with peak_memory(stats, model_device(model)):
+    with measured(source, model) as stats:
         prepared, local = _prepare_verdict(prepare, context)
         verdict = agree(local)
         t1 = time.perf_counter()

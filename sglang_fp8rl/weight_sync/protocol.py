@@ -1,8 +1,8 @@
 """The wire protocol between a trainer and an engine served with `fp8_online_blockwise`: every name that one side
 writes and the other reads, defined once here. Imports nothing, so that either side (and a script) may use it.
 
-Names that are SGLang's, not ours, stay with the code that speaks to SGLang: the load format ``flattened_bucket``
-(hooks/weight_updater.py), the session routes and SGLang's "already open" refusal (weight_sync/session.py).
+One name here is SGLang's, not ours, and is kept here so that nothing defines it twice: the load format
+``flattened_bucket``. SGLang's session routes and its "already open" refusal stay with weight_sync/session.py.
 """
 
 # control entries: (name, tensor) items of an update request that carry no weights
@@ -13,6 +13,9 @@ CONTROL_NAMES = (STEP_COMPLETE,)
 # load_format of a validate-only request: checked on every TP rank, nothing written (the first phase of the
 # client's all-or-nothing step)
 VALIDATE_ONLY = "fp8rl.validate"
+
+# SGLang's load_format of one flattened tensor with its per-tensor metadata (sglang.srt.weight_sync.tensor_bucket)
+FLATTENED_BUCKET = "flattened_bucket"
 
 # pre-quantized FP8: ``<name>`` as float8_e4m3fn codes travels with ``<name>_scale_inv`` (float32 block scales)
 SCALE_SUFFIX = "_scale_inv"

@@ -28,9 +28,7 @@ from sglang_fp8rl.weight_sync.validate import (
     DryRunRecord,
     NamedTensors,
     UpdateRejected,
-    cached_dry_run,
-    check_tensors,
-    check_unique,
+    checked_dry_run,
     is_ignored_name,
 )
 
@@ -182,9 +180,7 @@ def validate_request(model: torch.nn.Module, load_weights: Callable, named_tenso
                      destinations: Optional[Destinations] = None) -> Validated:
     """Check the whole request before anything is written; raise UpdateRejected naming the tensor and the reason.
     ``destinations``: the writes of earlier parts of the same update (a checkpoint validated in chunks)."""
-    check_tensors(named_tensors)
-    check_unique([name for name, _ in named_tensors])
-    records = cached_dry_run(model, load_weights, named_tensors)
+    records = checked_dry_run(model, load_weights, named_tensors)
     replay = replays_writes(model)
     destinations = Destinations() if destinations is None else destinations
     result = Validated(destinations=destinations)

@@ -43,10 +43,11 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from sglang_fp8rl.engine import OWNERS, declare
 from sglang_fp8rl.kv_scales.engine import mark_calibrated, mark_due
 from sglang_fp8rl.kv_scales.layers import attention_layers
+from sglang_fp8rl.weight_sync.engine_state import engine_state
 from sglang_fp8rl.weight_sync.fp8_payload import Pairing, complete_pairs, partner_name, weight_of, without_partners
-from sglang_fp8rl.weight_sync.update import engine_state
 from sglang_fp8rl.weight_sync.validate import NamedTensors, UpdateRejected, request_bytes
 
 # the most bytes of FP8 halves a step holds for their partners (one bucket-split pair is one weight's codes: tens of
@@ -289,12 +290,12 @@ class UpdateStep:
             setattr(self, field.name, getattr(fresh, field.name))
 
 
-_STEP = UpdateStep()
+declare("step", UpdateStep)
 
 
 def current_step() -> UpdateStep:
-    """This process's step (the scheduler process on a server)."""
-    return _STEP
+    """This process's step (the scheduler process on a server): ``OWNERS.step``."""
+    return OWNERS.step
 
 
 def apply_commit(commit: Optional[Commit]) -> Optional[Commit]:
@@ -324,4 +325,4 @@ def apply_commit(commit: Optional[Commit]) -> Optional[Commit]:
 def end_step(model: torch.nn.Module, marker: bool = False) -> Optional[Commit]:
     """End this process's step and apply its commit (a KV recalibration due unless the trainer sent every layer's
     scales, which then also cancel one still due); None when a marker arrived inside a session (its end commits)."""
-    return apply_commit(_STEP.end(len(attention_layers(model)), marker=marker))
+    return apply_commit(current_step().end(len(attention_layers(model)), marker=marker))

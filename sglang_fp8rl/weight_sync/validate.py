@@ -372,3 +372,12 @@ def cached_dry_run(model: torch.nn.Module, load_weights: Callable,
     else:
         cache.move_to_end(key)
     return records
+
+
+def checked_dry_run(model: torch.nn.Module, load_weights: Callable,
+                    named_tensors: NamedTensors) -> dict[str, DryRunRecord]:
+    """A whole request's checks in order: each tensor (name, dtype, finite values), unique names, then the
+    (remembered) dry run of ``load_weights``; UpdateRejected at the first failure."""
+    check_tensors(named_tensors)
+    check_unique([name for name, _ in named_tensors])
+    return cached_dry_run(model, load_weights, named_tensors)

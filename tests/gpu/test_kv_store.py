@@ -81,6 +81,7 @@ def test_sglang_pool_write_takes_the_kernel_in_a_cuda_graph_and_follows_new_scal
     """Through SGLang's real pool on CUDA: the wrapped set_kv_buffer takes the kernel (pow2 policy), writes what
     SGLang's own path writes (fp32 policy: the reference division), and a captured graph reads scales written in
     place afterwards."""
+    from sglang_fp8rl.engine import OWNERS
     from sglang_fp8rl.hooks import kv_cache
     from sglang_fp8rl.kv_scales import engine
     from sglang_fp8rl.kv_scales.numerics import ScalePolicy
@@ -95,16 +96,16 @@ def test_sglang_pool_write_takes_the_kernel_in_a_cuda_graph_and_follows_new_scal
     ks, vs = torch.tensor(2.0**-2, device="cuda"), torch.tensor(2.0**3, device="cuda")
 
     fp32 = ScalePolicy(scale_format="fp32")
-    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", policy=fp32, fused_write=True))
+    monkeypatch.setattr(OWNERS, "kv_scales", engine.KVScaleState(mode="calibrate", policy=fp32, fused_write=True))
     assert "pow2" in kv_cache.fused_write_reason(pool, 0, k, v, ks, vs, loc, {})
     pool.k_buffer[0].fill_(POISON)
     pool.v_buffer[0].fill_(POISON)
     write(pool, layer, loc, k.clone(), v.clone(), ks, vs)
     expected_k, expected_v = pool.k_buffer[0].clone(), pool.v_buffer[0].clone()
 
-    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate"))
+    monkeypatch.setattr(OWNERS, "kv_scales", engine.KVScaleState(mode="calibrate"))
     assert "sglang" in kv_cache.fused_write_reason(pool, 0, k, v, ks, vs, loc, {})  # the default write
-    monkeypatch.setattr(engine, "_STATE", engine.KVScaleState(mode="calibrate", fused_write=True))
+    monkeypatch.setattr(OWNERS, "kv_scales", engine.KVScaleState(mode="calibrate", fused_write=True))
     assert kv_cache.fused_write_reason(pool, 0, k, v, ks, vs, loc, {}) is None
     pool.k_buffer[0].fill_(POISON)
     pool.v_buffer[0].fill_(POISON)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from sglang_fp8rl.engine import OWNERS, declare, reset
 from sglang_fp8rl.kernels.deepgemm import direct_takes, linear_direct
 from sglang_fp8rl.kernels.gemm_select.buckets import m_bucket, shape_key
 from sglang_fp8rl.kernels.gemm_select.candidates import BLOCK, DEFAULT, Candidate, default_linear, sglang_block_call
@@ -22,14 +23,15 @@ from sglang_fp8rl.kernels.gemm_select.candidates import BLOCK, DEFAULT, Candidat
 
 @dataclasses.dataclass
 class Selection:
-    """This process's choices: shape key -> candidate name (never the default), and the candidates by name."""
+    """This process's choices: shape key -> candidate name (never the default), and the candidates by name. One per
+    process, ``OWNERS.gemm_table`` (:mod:`sglang_fp8rl.engine`), read by every linear apply."""
 
     choices: dict[str, str] = dataclasses.field(default_factory=dict)
     candidates: dict[str, Candidate] = dataclasses.field(default_factory=dict)
     direct: bool = False  # the default's DeepGEMM calls made as SGLang's two launches (linear_direct)
 
 
-_ACTIVE = Selection()
+declare("gemm_table", Selection)
 
 
 def install(choices: Mapping[str, str], candidates: Mapping[str, Candidate], direct: bool = False) -> None:
@@ -39,25 +41,27 @@ def install(choices: Mapping[str, str], candidates: Mapping[str, Candidate], dir
     missing = {name for name in choices.values() if name != DEFAULT and name not in candidates}
     if missing:
         raise ValueError(f"gemm_select: choices name unknown candidates {sorted(missing)}")
-    _ACTIVE.choices = {key: name for key, name in choices.items() if name != DEFAULT}
-    _ACTIVE.candidates = dict(candidates)
-    _ACTIVE.direct = direct
+    table = OWNERS.gemm_table
+    table.choices = {key: name for key, name in choices.items() if name != DEFAULT}
+    table.candidates = dict(candidates)
+    table.direct = direct
 
 
 def installed() -> Selection:
     """A copy of this process's selection."""
-    return Selection(dict(_ACTIVE.choices), dict(_ACTIVE.candidates), _ACTIVE.direct)
+    table = OWNERS.gemm_table
+    return Selection(dict(table.choices), dict(table.candidates), table.direct)
 
 
 def reset_state() -> None:
     """Forget the selection and SGLang's resolved dispatch (tests, or a process that prepares another model)."""
-    install({}, {})
+    reset("gemm_table")
     default_linear.cache_clear()
 
 
 def select(m: int, n: int, k: int) -> str:
     """Candidate name for (m, n, k) in this process: the installed choice of m's bucket, else the default."""
-    return _ACTIVE.choices.get(shape_key(n, k, m_bucket(m)), DEFAULT)
+    return OWNERS.gemm_table.choices.get(shape_key(n, k, m_bucket(m)), DEFAULT)
 
 
 def capturing(x: Any) -> bool:
@@ -74,11 +78,12 @@ def apply_selected(x: Any, weight: Any, weight_scale_inv: Any, bias: Any, defaul
     Blocks other than 128x128 always take ``default_fn`` (the candidates and the cache assume 128x128)."""
     if tuple(block_size) != BLOCK:
         return sglang_block_call(default_fn, x, weight, weight_scale_inv, bias, block_size)
-    if _ACTIVE.choices:
+    table = OWNERS.gemm_table
+    if table.choices:
         k = x.shape[-1]
         name = select(x.numel() // k if x.numel() else 1, weight.shape[0], k)
         if name != DEFAULT:
-            return _ACTIVE.candidates[name].fn(x, weight, weight_scale_inv, bias)
-    if _ACTIVE.direct and not capturing(x) and direct_takes(x, weight):
+            return table.candidates[name].fn(x, weight, weight_scale_inv, bias)
+    if table.direct and not capturing(x) and direct_takes(x, weight):
         return linear_direct(x, weight, weight_scale_inv, bias)
     return sglang_block_call(default_fn, x, weight, weight_scale_inv, bias, block_size)
