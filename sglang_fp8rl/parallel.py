@@ -59,11 +59,19 @@ def combine(verdicts: list[Verdict]) -> Verdict:
     return Verdict(False, "; ".join(f"TP rank {rank}: {v.message}" for rank, v in failed), wrote=wrote)
 
 
-def agree(local: Verdict, group: Optional[Any] = None) -> Verdict:
-    """The combined verdict of every TP rank (``local`` itself without a TP group)."""
+def gather(local: Any, group: Optional[Any] = None) -> list[Any]:
+    """Every TP rank's ``local``, in rank order (``[local]`` without a TP group). Every rank must call it."""
     group = tp_cpu_group() if group is None else group
     if group is None:
-        return local
-    gathered: list[Optional[Verdict]] = [None] * dist.get_world_size(group)
+        return [local]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, local, group=group)
+    return gathered
+
+
+def agree(local: Verdict, group: Optional[Any] = None) -> Verdict:
+    """The combined verdict of every TP rank (``local`` itself without a TP group)."""
+    gathered = gather(local, group)
+    if len(gathered) == 1:
+        return local
     return combine([v if isinstance(v, Verdict) else Verdict(False, f"unreadable verdict {v!r}") for v in gathered])

@@ -105,7 +105,7 @@ def test_misaligned_bucket_is_a_real_defect(dense):
     """SGLang's own reconstruction fails on it (what took the scheduler down); the plugin refuses it by name."""
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    from sglang_fp8rl.hooks.weight_updater import check_bucket_metadata
+    from sglang_fp8rl.hooks.transport import check_bucket_metadata
 
     _, p = dense
     bucket = sp.misaligned_bucket(p.w2, p.victim)
@@ -121,7 +121,7 @@ def test_misaligned_bucket_is_a_real_defect(dense):
 def test_unknown_dtype_bucket(dense):
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    from sglang_fp8rl.hooks.weight_updater import check_bucket_metadata
+    from sglang_fp8rl.hooks.transport import check_bucket_metadata
 
     _, p = dense
     names = [n for n in p.shapes if n.startswith("model.layers.0.")][:4]
@@ -139,7 +139,7 @@ def test_prequantized_buckets_are_aligned_and_complete(dense):
     reconstruction gives back exactly the payload."""
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    from sglang_fp8rl.hooks.weight_updater import check_bucket_metadata
+    from sglang_fp8rl.hooks.transport import check_bucket_metadata
 
     _, p = dense
     bodies = sp.buckets_of(p.prequant, 1 << 17)
@@ -193,7 +193,7 @@ def test_checkpoint_folders(dense, tmp_path):
     by the plugin's file check naming the file."""
     from safetensors.torch import load_file
 
-    from sglang_fp8rl.hooks.weight_updater import check_checkpoint_files
+    from sglang_fp8rl.hooks.transport import check_checkpoint_files
 
     model, p = dense
     paths = sp.write_checkpoint(str(tmp_path / "two"), p.w1, model, shards=2)
@@ -418,6 +418,25 @@ def test_command_line(capsys):
         check_server.parse_args(["--model-dir", "m", "--out", "o", "--tp-size", "0"])
 
 
+def test_server_flags_reach_the_launch(monkeypatch, tmp_path):
+    """--server-flags (one string) is split and appended to every server's launch flags (here server A's: server B's
+    launch passes the same list)."""
+    seen: list = []
+
+    def launch_server(launch, model, port, log, args, rendezvous, *extra, **kw):
+        seen.append(extra)
+        raise RuntimeError("stop after the first launch")
+
+    monkeypatch.setattr(check_server.scale_out, "launch_server", launch_server)
+    monkeypatch.setattr(check_server, "model_folder", lambda model_dir, moe: str(tmp_path))
+    monkeypatch.setattr(check_server, "new_report", lambda args, model, argv: {})
+    argv = ["--model-dir", "m", "--out", str(tmp_path / "o"), "--server-flags",
+            "--enforce-disable-flashinfer-allreduce-fusion --foo 1"]
+    with pytest.raises(RuntimeError, match="stop after"):
+        check_server.run_checks(check_server.parse_args(argv), argv)
+    assert seen == [("--load-format", "dummy", "--enforce-disable-flashinfer-allreduce-fusion", "--foo", "1")]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_needs_cuda(tmp_path, capsys):
     assert check_server.main(["--model-dir", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
@@ -538,7 +557,7 @@ class FakeEngine(BaseHTTPRequestHandler):
         from safetensors.torch import load_file
         from sglang.srt.utils import MultiprocessingSerializer
 
-        from sglang_fp8rl.hooks.weight_updater import check_checkpoint_files, tensors_of_bucket
+        from sglang_fp8rl.hooks.transport import check_checkpoint_files, tensors_of_bucket
 
         if self.path == "/update_weights_from_disk":
             check_checkpoint_files(body["model_path"])

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import bench_update
@@ -169,10 +172,37 @@ def test_telemetry_of_every_dp_rank(dp_fake):
     DPFake.states = [{"fp8rl": {"consistent": True, "fp8_param_ptr_digest": 1, "updates": 3}},
                      {"fp8rl": {"consistent": False, "fp8_param_ptr_digest": 2, "updates": 3}}]
     info = server_io.fp8rl_info(dp_fake)
-    assert info["consistent"] is False and info["fp8_param_ptr_digest"] == (1, 2) and info["dp_ranks"] == 2
+    assert info["consistent"] is False and info["fp8_param_ptr_digest"] == ("1", "2") and info["dp_ranks"] == 2
     DPFake.states = DPFake.states[:1]
     assert server_io.fp8rl_info(dp_fake) == {"consistent": True, "fp8_param_ptr_digest": 1, "updates": 3}
     assert server_io.merged_dp_states([{}, {}])["consistent"] is None  # a BF16 server has no telemetry
+
+
+def test_dp_digests_do_not_depend_on_the_order_the_ranks_answer():
+    """SGLang gathers the DP ranks' states as they answer: the same pointers in another order are unchanged; one
+    rank's moved pointers are not."""
+    a, b, moved = ({"fp8rl": {"fp8_param_ptr_digest": d}} for d in ("aa", "bb", "cc"))
+    assert server_io.merged_dp_states([a, b])["fp8_param_ptr_digest"] == \
+        server_io.merged_dp_states([b, a])["fp8_param_ptr_digest"]
+    assert server_io.merged_dp_states([a, moved])["fp8_param_ptr_digest"] != \
+        server_io.merged_dp_states([b, a])["fp8_param_ptr_digest"]
+
+
+def test_a_start_that_never_ends_dumps_the_stacks_of_its_processes(tmp_path):
+    """wait_healthy's timeout makes every Python process below the server print its stacks (SIGABRT under
+    PYTHONFAULTHANDLER) before it raises, so the log says where the start waits."""
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+           "time.sleep(60)"
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONFAULTHANDLER="1"), start_new_session=True)
+    try:
+        time.sleep(1.5)  # the child exists
+        with pytest.raises(TimeoutError, match="stacks of 1 processes"):
+            server_io.wait_healthy(1, proc, timeout=0.1)
+        assert "Fatal Python error: Aborted" in log.read_text()
+    finally:
+        server_io.stop(proc)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -281,3 +311,20 @@ def test_check_broadcast_takes_a_layout(monkeypatch, tmp_path, capsys):
         pytest.skip("checks the no-CUDA path")
     assert check_broadcast.main() == 2
     assert "needs 3 GPUs" in capsys.readouterr().out
+
+
+def test_probe_start_needs_cuda_and_sends_the_flags(monkeypatch, tmp_path, capsys):
+    """scripts/gpu/probe_start.py: exit 2 without CUDA; on a GPU its launch is the checks' flags plus the layout's,
+    with or without our --quantization."""
+    import probe_start
+    import torch
+
+    if not torch.cuda.is_available():
+        assert probe_start.main(["--model-dir", "m", "--out", str(tmp_path), "--", "--tp-size", "2"]) == 2
+    seen: list = []
+    monkeypatch.setattr(probe_start.subprocess, "Popen", lambda cmd, **kw: seen.append(cmd))
+    monkeypatch.setattr(probe_start, "common_flags", lambda: ("--common",))
+    for engine in ("bf16", "fp8"):
+        probe_start.launch("M", 1, str(tmp_path / f"{engine}.log"), engine, ["--tp-size", "2", "--ep-size", "2"])
+    assert seen[0][-4:] == ["--tp-size", "2", "--ep-size", "2"] and "--quantization" not in seen[0]
+    assert seen[1][seen[1].index("--quantization") + 1] == "fp8_online_blockwise" and "--common" in seen[1]

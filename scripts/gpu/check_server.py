@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -124,16 +125,17 @@ def run_checks(args: argparse.Namespace, argv: list[str]) -> int:
     run = server_checks.Run(args, report, lambda rep, checks: write_report(args.out, rep, checks))
     t0 = time.time()
     tmp = os.path.join(args.out, "tmp")
+    extra = shlex.split(args.server_flags)
     for port in (args.port, args.port + 1):
         route_every_dp_rank(port, args.dp_size if args.enable_dp_attention else 1)
     a = scale_out.launch_server(launch, model, args.port, os.path.join(args.out, "server_a.log"), args,
-                                scale_out.dist_port(args.port, 0), "--load-format", "dummy")
+                                scale_out.dist_port(args.port, 0), "--load-format", "dummy", *extra)
     cold: list[Optional[scale_out.Server]] = [None]
 
     def launch_cold() -> scale_out.Server:
         cold[0] = scale_out.launch_server(launch, payloads.folders["w1"], args.port + 1,
                                           os.path.join(args.out, "server_b.log"), args,
-                                          scale_out.dist_port(args.port, 1))
+                                          scale_out.dist_port(args.port, 1), *extra)
         return cold[0]
 
     try:
@@ -168,6 +170,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=30010, help="server A's port; the cold-start server uses PORT+1")
     p.add_argument("--startup-timeout-s", type=float, default=420.0, help="limit per server start (default 420)")
     p.add_argument("--keep-tmp", action="store_true", help="keep OUT/tmp (the checkpoint folders)")
+    p.add_argument("--server-flags", default="", help="more launch flags for both servers, one string (e.g. "
+                                                      "'--enforce-disable-flashinfer-allreduce-fusion')")
     args = p.parse_args(argv)
     if args.tp_size < 1:
         p.error("--tp-size must be >= 1")

@@ -34,17 +34,20 @@
 #   server    scripts/gpu/check_server.py on qwen3-small: launch_server + weight updates over HTTP (bit-for-bit vs a
 #             cold start, 12 refused bad updates, pre-quantized FP8 by tensor / bucket / disk, 9 updates during
 #             generation); SERVER_ARGS e.g. "--moe" or "--tp-size 2"                              (~4-5 min)
-#             Scale-out layouts (issue 36; both servers get the same layout, scripts/gpu/scale_out.py), one call each,
-#             on a machine with that many GPUs; not run on GPUs yet, so no times:
-#               SERVER_ARGS="--moe --tp-size 2"                                     MoE TP 2      (nvidia-h100-x2)
-#               SERVER_ARGS="--moe --tp-size 4"                                     MoE TP 4      (nvidia-h100-x4)
-#               SERVER_ARGS="--moe --tp-size 2 --ep-size 2"                         EP 2          (nvidia-h100-x2)
-#               SERVER_ARGS="--moe --tp-size 4 --ep-size 4"                         EP 4          (nvidia-h100-x4)
-#               SERVER_ARGS="--moe --tp-size 2 --enable-dp-attention --dp-size 2"   DP attention  (nvidia-h100-x2)
-#               SERVER_ARGS="--moe --tp-size 4 --enable-dp-attention --dp-size 4"   DP attention  (nvidia-h100-x4)
-#               SERVER_ARGS="--moe --tp-size 4 --nnodes 2"   two 'nodes' of two GPUs on one host  (nvidia-h100-x4)
-#             Add "--startup-timeout-s 240" where a start may be slow (the MoE TP 4 run of 2026-11-27 ran out of the
-#             stage's time waiting for its cold-start server): the later sections then still run.
+#             Scale-out layouts (both servers get the same layout, scripts/gpu/scale_out.py), each on GPUs of its own
+#             (CUDA_VISIBLE_DEVICES, WORK and --port per layout: two TP-2 layouts side by side on four GPUs); times of
+#             docs/RESULTS.md 22 on H100s (cold machine), "-" where not run yet. MoE at TP > 1 without DP attention
+#             needs F="--server-flags=--enforce-disable-flashinfer-allreduce-fusion" (SGLang's FlashInfer fusion JIT-
+#             compiles at start and did not finish in 300 s; README "Scale-out"):
+#               SERVER_ARGS="--moe --tp-size 2 $F"                                  MoE TP 2      ~3-6 min
+#               SERVER_ARGS="--moe --tp-size 4 $F"                                  MoE TP 4      -
+#               SERVER_ARGS="--moe --tp-size 2 --ep-size 2 $F"                      EP 2          ~5.5 min
+#               SERVER_ARGS="--moe --tp-size 4 --ep-size 4 $F"                      EP 4          -
+#               SERVER_ARGS="--moe --tp-size 2 --enable-dp-attention --dp-size 2"   DP attention  ~6.5 min
+#               SERVER_ARGS="--moe --tp-size 4 --enable-dp-attention --dp-size 4"   DP attention  -
+#               SERVER_ARGS="--moe --tp-size 4 --nnodes 2"   two 'nodes' of two GPUs on one host  >3.5 min (15/22 ran)
+#             Add "--startup-timeout-s 300" where a start may be slow: the later sections then still run; a start
+#             that times out leaves the Python stacks of its processes in its log (server_io.dump_stacks).
 #   colocated scripts/gpu/check_colocated.py on qwen3-small: verl's colocated cycle on the stock server with
 #             --enable-memory-saver and an FP8 KV cache (release kv_cache + weights, a refused push, resume weights, W1
 #             pushed by tensor, resume kv_cache), without and with --enable-weights-cpu-backup, against a cold W1

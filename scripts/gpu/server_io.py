@@ -47,15 +47,16 @@ def url(port: int) -> str:
 def launch(model: str, port: int, log: str, *extra: str, mem: float = 0.3,
            env_extra: Optional[dict] = None) -> subprocess.Popen:
     """The stock launcher, in its own process group; the plugin arrives through SGLang's entry-point loader."""
+    # PYTHONFAULTHANDLER: every process of the server prints its Python stacks on SIGABRT (dump_stacks)
     env = dict(os.environ, SGLANG_KERNEL_API_LOGLEVEL="1", SGLANG_KERNEL_API_LOGDEST=log + ".kapi_%i.log",
-               SGLANG_JIT_DEEPGEMM_PRECOMPILE="0", **(env_extra or {}))
+               SGLANG_JIT_DEEPGEMM_PRECOMPILE="0", PYTHONFAULTHANDLER="1", **(env_extra or {}))
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
            "--quantization", "fp8_online_blockwise", "--mem-fraction-static", str(mem), *common_flags(), *extra]
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 420) -> float:
-    """Seconds until /health_generate answers 200; raises if the server exits or times out."""
+    """Seconds until /health_generate answers 200; raises if the server exits or times out (after dump_stacks)."""
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
@@ -66,7 +67,29 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 420) -> flo
         except requests.RequestException:
             pass
         time.sleep(2)
-    raise TimeoutError(f"server on {port} not healthy after {timeout} s")
+    dumped = dump_stacks(proc)
+    raise TimeoutError(f"server on {port} not healthy after {timeout} s (stacks of {dumped} processes in its log)")
+
+
+def dump_stacks(proc: Any, settle_s: float = 5.0) -> int:
+    """Make every Python process below a server that hangs print its stacks into the server's log (SIGABRT, which
+    PYTHONFAULTHANDLER turns into a traceback of every thread), so that a start that never ends says where it waits.
+    Returns how many processes were signalled."""
+    import psutil
+
+    pids = []
+    for node in getattr(proc, "procs", None) or [proc]:
+        try:
+            pids += [c.pid for c in psutil.Process(node.pid).children(recursive=True)]
+        except psutil.Error:
+            continue
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except OSError:
+            pass
+    time.sleep(settle_s if pids else 0)
+    return len(pids)
 
 
 def stop(proc: Any) -> None:
@@ -136,14 +159,16 @@ def fp8rl_info(port: int) -> dict:
 
 
 def merged_dp_states(states: list[dict]) -> dict:
-    """The plugin's telemetry of several DP ranks as one record (see fp8rl_info)."""
+    """The plugin's telemetry of several DP ranks as one record (see fp8rl_info). SGLang gathers the DP ranks' states
+    in the order they answer, not in rank order, so the digests are compared as a sorted tuple: unchanged iff every
+    rank's own digest is (two ranks never trade pointers)."""
     infos = [s.get("fp8rl") or {} for s in states]
     if len(infos) <= 1:
         return infos[0] if infos else {}
     merged = dict(infos[0])
     consistent = [i.get("consistent") for i in infos]
     merged["consistent"] = None if None in consistent else all(consistent)
-    merged["fp8_param_ptr_digest"] = tuple(i.get("fp8_param_ptr_digest") for i in infos)
+    merged["fp8_param_ptr_digest"] = tuple(sorted(str(i.get("fp8_param_ptr_digest")) for i in infos))
     merged["dp_ranks"] = len(infos)
     return merged
 

@@ -4,8 +4,9 @@ prepare its block-FP8 GEMMs (before CUDA graphs are captured)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+from sglang_fp8rl import parallel
 from sglang_fp8rl.hooks.kv_cache import set_up_kv_scales
 from sglang_fp8rl.kernels import deepgemm, gemm_select, jit_warmup
 from sglang_fp8rl.layers.linear import block_shapes
@@ -22,7 +23,29 @@ def ranks_on_node(server_args: Any) -> int:
 
 
 def prepare_gemms(runner: Any) -> None:
-    """Compile and choose the block-FP8 GEMMs of the model's CUDA block shapes (nothing on CPU)."""
+    """Compile and choose the block-FP8 GEMMs of the model's CUDA block shapes (nothing on CPU), one table for every
+    TP rank. Every rank takes part in the table's exchange exactly once, whatever happens to it before (no shapes, a
+    failure), so that no rank waits forever at start; a rank that failed makes every rank keep SGLang's dispatch."""
+    exchanged: list[bool] = []
+
+    def agree(table: Optional[dict]) -> Optional[dict]:
+        exchanged.append(True)
+        return gemm_select.agreed_entries(parallel.gather(table))
+
+    try:
+        _prepare_gemms(runner, agree)
+    except Exception:  # noqa: BLE001 - an optimisation: its failure must not stop the server from starting
+        logger.exception("[fp8rl] block-FP8 GEMM selection failed; every shape uses SGLang's own dispatch")
+        gemm_select.install({}, {})
+        if not exchanged:
+            agree(None)
+        return
+    if not exchanged:  # selection off, or no block shapes on this rank
+        agree({})
+
+
+def _prepare_gemms(runner: Any, agree: gemm_select.Agree) -> None:
+    """gemm_select.prepare_model with SGLang's settings of this runner."""
     shapes = block_shapes(runner.model)
     if not shapes:
         return
@@ -39,6 +62,7 @@ def prepare_gemms(runner: Any) -> None:
         fp8_gemm_backend=getattr(server_args, "fp8_gemm_runner_backend", None) or deepgemm.AUTO_BACKEND,
         mem_fraction_static=getattr(runner, "mem_fraction_static", None),
         pre_load_free_bytes=int(pre_load_gib * (1 << 30)) if pre_load_gib else None,
+        agree=agree,
     )
 
 
@@ -49,10 +73,7 @@ def wrap_load_model(original: Callable) -> Callable:
         if attach(self.model):
             logger.info("[fp8rl] weight updates of this model are validated and re-quantized in place")
             set_up_kv_scales(self)
-            try:
-                prepare_gemms(self)
-            except Exception:  # noqa: BLE001 - an optimisation: its failure must not stop the server from starting
-                logger.exception("[fp8rl] block-FP8 GEMM selection failed; every shape uses SGLang's own dispatch")
+            prepare_gemms(self)
         return result
 
     return load_model

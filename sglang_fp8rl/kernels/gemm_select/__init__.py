@@ -69,8 +69,10 @@ from sglang_fp8rl.kernels.gemm_select.prepare import (
     GEMM_SELECT_MODES,
     WARMUP_LOG,
     WORKERS_LOG,
+    Agree,
     PrepareRequest,
     Runtime,
+    agreed_entries,
     prepare_model,
     prepare_shapes,
     variant_streams,
@@ -87,6 +89,7 @@ from sglang_fp8rl.kernels.gemm_select.tune import (
 )
 
 __all__ = [
+    "Agree", "agreed_entries",
     "ALL_OURS_CONFIGS", "ALT_BELOW", "BLOCK", "DEFAULT", "DEFAULT_BUDGET_S", "DEFAULT_MAX_M", "DEFAULT_SMS",
     "ENV_CACHE", "GEMM_SELECT_MODES", "MIN_GAIN", "OURS_CONFIGS", "OURS_MAX_M", "OURS_PREFIX", "REL_TOL", "SCHEMA",
     "SMS_PREFIX", "TRITON", "VARIANT_BELOW", "WARMUP_LOG", "WORKERS_LOG", "apply_selected", "autotune", "Bench",

@@ -51,6 +51,8 @@ from sglang_fp8rl.kernels.gemm_select.measure import Bench, random_block_weight
 from sglang_fp8rl.kernels.gemm_select.tune import DEFAULT_BUDGET_S, Todo, TuneSettings, autotune
 
 logger = logging.getLogger(__name__)
+# the TP exchange of prepare_model: this rank's table in, the table every rank serves with out (None: SGLang's dispatch)
+Agree = Callable[[dict[str, Entry]], Mapping[str, Entry] | None]
 
 GEMM_SELECT_MODES = ("auto", "cache", "off")
 WARMUP_LOG = "[fp8rl] DeepGEMM JIT warm-up for %s: %s"  # parsed by scripts/bench_startup.py
@@ -121,10 +123,11 @@ class Runtime:
 def prepare_model(shapes: Sequence[tuple[int, int]], *, mode: str, budget_s: float, jit_workers: int,
                   capture_ms: Sequence[int] = (), ranks_on_node: int = 1, fp8_gemm_backend: str = AUTO_BACKEND,
                   max_m: int = DEFAULT_MAX_M, mem_fraction_static: float | None = None,
-                  pre_load_free_bytes: int | None = None) -> dict[str, Entry]:
+                  pre_load_free_bytes: int | None = None, agree: Agree | None = None) -> dict[str, Entry]:
     """Prepare this rank's block GEMMs of shapes ``shapes`` ((N, K) of its 128x128 blockwise layers): warm-up,
-    lookup, measurement, install, one log. ``capture_ms``: the token counts CUDA graphs are captured for;
-    ``mem_fraction_static`` / ``pre_load_free_bytes``: SGLang's, bounding the warm-up workers by GPU memory.
+    lookup, measurement, agreement, install, one log. ``capture_ms``: the token counts CUDA graphs are captured for;
+    ``mem_fraction_static`` / ``pre_load_free_bytes``: SGLang's, bounding the warm-up workers by GPU memory;
+    ``agree``: the exchange that gives every rank one table (:func:`agreed_entries` over the TP ranks' tables).
     Returns the valid entries of this model ({} when selection is off or there is nothing to do)."""
     request = PrepareRequest(mode=mode, budget_s=budget_s, jit_workers=jit_workers, capture_ms=tuple(capture_ms),
                              ranks_on_node=ranks_on_node, fp8_gemm_backend=fp8_gemm_backend, max_m=max_m,
@@ -132,10 +135,11 @@ def prepare_model(shapes: Sequence[tuple[int, int]], *, mode: str, budget_s: flo
     if not shapes:
         lookup.install({}, {})
         return {}
-    return prepare_shapes(shapes, request, Runtime.detect())
+    return prepare_shapes(shapes, request, Runtime.detect(), agree)
 
 
-def prepare_shapes(shapes: Sequence[tuple[int, int]], request: PrepareRequest, runtime: Runtime) -> dict[str, Entry]:
+def prepare_shapes(shapes: Sequence[tuple[int, int]], request: PrepareRequest, runtime: Runtime,
+                   agree: Agree | None = None) -> dict[str, Entry]:
     """:func:`prepare_model` against an explicit runtime."""
     shapes = sorted(set(shapes))
     lookup.install({}, runtime.candidates)  # SGLang's dispatch until this preparation has decided
@@ -158,11 +162,47 @@ def prepare_shapes(shapes: Sequence[tuple[int, int]], request: PrepareRequest, r
             valid.update(_tune(shapes, request, runtime, valid, pool))
     if not request.selecting:
         return {}
+    if agree is not None:
+        valid = agreed_table(valid, agree(valid), wanted, runtime)
     lookup.install(choices_of(valid), runtime.candidates, direct=install_direct(runtime))
     logger.info("[fp8rl] gemm_select (%s, cache %s): %d shapes x %d M buckets, %d on %s for lack of a measurement\n%s",
                 request.mode, runtime.cache_path, len(shapes), len(buckets_upto(request.max_m)),
                 len(wanted) - len(valid), DEFAULT, format_table(valid))
     return valid
+
+
+def agreed_entries(tables: Sequence[Mapping[str, Entry] | None]) -> dict[str, Entry] | None:
+    """One table from every rank's (in rank order): each key's entry from the lowest rank that has it; None when a
+    rank could not prepare (then every rank keeps SGLang's dispatch). Ranks measure apart and may choose differently
+    where two candidates are close, and the candidates do not all give the same bits (split-K): one table keeps every
+    rank, and a later start that reads the cache, on the same kernels."""
+    if any(t is None for t in tables):
+        return None
+    out: dict[str, Entry] = {}
+    for table in tables:
+        for key, entry in table.items():
+            out.setdefault(key, entry)
+    return out
+
+
+def agreed_table(valid: dict[str, Entry], agreed: Mapping[str, Entry] | None, wanted: Collection[str],
+                 runtime: Runtime) -> dict[str, Entry]:
+    """This rank's part of the agreed table; written to the cache where it differs from this rank's own choices, so
+    that the next start reads what this one serves with."""
+    if agreed is None:
+        logger.warning("[fp8rl] gemm_select: a TP rank could not prepare its block-FP8 GEMMs; every rank uses "
+                       "SGLang's dispatch")
+        return {}
+    mine = usable_entries(agreed, wanted, runtime)
+    changed = sorted(k for k in mine if valid.get(k) is None or valid[k].choice != mine[k].choice)
+    if changed:
+        logger.info("[fp8rl] gemm_select: %d choices taken from a lower TP rank's measurement, so that every rank "
+                    "runs the same kernels: %s", len(changed), ", ".join(changed[:8]))
+        try:
+            merge_entries(runtime.cache_path, runtime.info, {k: mine[k] for k in changed})
+        except OSError as e:
+            logger.warning("[fp8rl] gemm_select: could not write the cache %s (%s)", runtime.cache_path, e)
+    return mine
 
 
 def install_direct(runtime: Runtime) -> bool:
