@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
+from rank_pair import free_port, run_ranks
 from test_gemm_select import clean_state, install_fake_tuning, request  # noqa: F401 - clean_state is autouse
 
 from sglang_fp8rl.kernels import gemm_select as gs
@@ -102,24 +101,10 @@ print("RESULT " + json.dumps(got))
 
 
 def run_pair(behaviours: tuple[str, str], timeout: int = 90) -> list:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(rank), str(port), behaviours[rank]],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
-             for rank in range(2)]
-    out = []
-    try:
-        for rank, proc in enumerate(procs):
-            log, _ = proc.communicate(timeout=timeout)
-            assert proc.returncode == 0, f"rank {rank} (rc={proc.returncode}):\n{log[-4000:]}"
-            out.append(json.loads(next(ln for ln in log.splitlines() if ln.startswith("RESULT "))[7:]))
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"the ranks still ran after {timeout} s (an exchange did not pair up)") from None
-    finally:
-        for proc in procs:
-            proc.kill()
-    return out
+    port = free_port()
+    logs = run_ranks(lambda rank: [sys.executable, "-c", RANK_SCRIPT, str(rank), str(port), behaviours[rank]],
+                     dict(os.environ), timeout)
+    return [json.loads(next(ln for ln in log.splitlines() if ln.startswith("RESULT "))[7:]) for log in logs]
 
 
 @pytest.mark.parametrize("behaviours, expect", [

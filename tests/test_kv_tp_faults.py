@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
+from rank_pair import free_port
+from rank_pair import run_ranks as run_rank_pair
 from sgl_model import TINY, write_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -38,27 +38,13 @@ SECONDS = 30  # one recalibration of 512 tokens takes about a second here; a han
 
 def run_ranks(model_dir: str, out_prefix: str, timeout: int = 420) -> list[dict]:
     """The kv_tp_faults scenario as two TP ranks (gloo on CPU); both are killed past ``timeout``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, SGLANG_CPU_OMP_THREADS_BIND="|".join(str(r % os.cpu_count()) for r in range(2)))
     env.pop("FP8RL_OPTIONS", None)
-    procs = [subprocess.Popen([sys.executable, WORKER, "kv_tp_faults", model_dir, f"{out_prefix}.rank{rank}.pt",
-                               json.dumps({"tp_rank": rank}), *ARGS, "--tp-size", "2", "--nccl-port", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for rank in range(2)]
-    results = []
-    try:
-        for rank, proc in enumerate(procs):
-            log, _ = proc.communicate(timeout=timeout)
-            assert proc.returncode == 0, f"TP rank {rank} failed (rc={proc.returncode}):\n{log[-8000:]}"
-            results.append(torch.load(f"{out_prefix}.rank{rank}.pt", weights_only=False))
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"the TP ranks still ran after {timeout} s (a hung collective?)") from None
-    finally:
-        for proc in procs:
-            proc.kill()
-    return results
+    run_rank_pair(lambda rank: [sys.executable, WORKER, "kv_tp_faults", model_dir, f"{out_prefix}.rank{rank}.pt",
+                                json.dumps({"tp_rank": rank}), *ARGS, "--tp-size", "2", "--nccl-port", str(port)],
+                  env, timeout)
+    return [torch.load(f"{out_prefix}.rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
 @pytest.fixture(scope="module")
