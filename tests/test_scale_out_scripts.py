@@ -68,6 +68,12 @@ def recorded_launches(args: argparse.Namespace, port: int, rendezvous: int) -> l
     (("--tp-size", "4", "--nnodes", "2"),
      [dict(tp_size=4, nnodes=2, node_rank=0, base_gpu_id=0, port=PORT, dist_init_addr="127.0.0.1:30110"),
       dict(tp_size=4, nnodes=2, node_rank=1, base_gpu_id=2, port=PORT + 50, dist_init_addr="127.0.0.1:30110")]),
+    # the eight-GPU layouts (not run on GPUs: no eight-GPU machine was available)
+    (("--tp-size", "8", "--ep-size", "8"), [dict(tp_size=8, ep_size=8, nnodes=1)]),
+    (("--tp-size", "8", "--enable-dp-attention", "--dp-size", "8"),
+     [dict(tp_size=8, dp_size=8, enable_dp_attention=True, dist_init_addr="127.0.0.1:30110")]),
+    (("--tp-size", "8", "--nnodes", "2"),
+     [dict(tp_size=8, nnodes=2, node_rank=0, base_gpu_id=0), dict(tp_size=8, nnodes=2, node_rank=1, base_gpu_id=4)]),
 ])
 def test_check_server_layouts_are_launch_flags_sglang_reads(argv, want):
     """Each layout's launcher processes, their flags as SGLang's parser reads them: EP passed through; DP attention
