@@ -56,8 +56,8 @@
 #   broadcast scripts/gpu/check_broadcast.py (two GPUs): update_weights_from_distributed over NCCL, BF16 and FP8
 #             codes + scales, split pairs, refused broadcasts keep the group in step      (~3 min)
 #             BROADCAST_ARGS for a server layout (issue 36; tp_size + 1 GPUs, not run on GPUs yet):
-#               "--server-gpu 0,1 --trainer-gpu 2 --tp-size 2 --nnodes 2"   NCCL to both 'nodes'  (nvidia-h100-x4)
-#               "--server-gpu 0,1 --trainer-gpu 2 --tp-size 2 --ep-size 2 --moe"                 (nvidia-h100-x4)
+#               "--server-gpu 0,1 --trainer-gpu 2 --tp-size 2 --nnodes 2"   NCCL to both 'nodes'  (four GPUs)
+#               "--server-gpu 0,1 --trainer-gpu 2 --tp-size 2 --ep-size 2 --moe"                 (four GPUs)
 #   quant     scripts/bench_quant.py --json $WORK/bench_quant.json (quantization kernel micro-benchmark)
 #   gemm      scripts/bench_gemm.py: per-shape block-FP8 GEMM candidates vs BF16 (Qwen3-8B shapes); GEMM_ARGS
 #   startup   scripts/bench_startup.py: cold/warm launch_server start, BF16 vs fp8_online_blockwise (Qwen3-8B)
@@ -69,9 +69,9 @@
 #             Issue 36 (Qwen3-30B-A3B shapes, 61 GB of BF16; not run on GPUs yet, so no times; a call may end at its
 #             deadline with the paths it reached: split by --paths / --engines, same warm machine):
 #               UPDATE_ARGS="--model qwen3-30b-a3b --tp-size 2 --paths tensor broadcast prequant --repeats 2"
-#                 (nvidia-h100-x4: engine on GPUs 0-1, the broadcasting trainer and its payload on GPU 2)
+#                 (four GPUs: engine on GPUs 0-1, the broadcasting trainer and its payload on GPU 2)
 #               UPDATE_ARGS="--model qwen3-30b-a3b --tp-size 4 --paths tensor prequant --repeats 2"
-#                 (nvidia-h100-x4: no broadcast at TP 4 there, NCCL needs a fifth GPU for the trainer)
+#                 (four GPUs: no broadcast at TP 4 there, NCCL needs a fifth GPU for the trainer)
 #               ... "--paths disk --disk-repeats 1", and "--kv-cache-dtype fp8_e4m3" for the KV recalibration time;
 #             check the plan first on CPU: python3 scripts/bench_update.py --model-dir M --out O --model
 #             qwen3-30b-a3b --tp-size 4 --gpus 4 --dry-run
