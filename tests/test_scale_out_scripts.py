@@ -328,8 +328,8 @@ def test_probe_start_needs_cuda_and_sends_the_flags(monkeypatch, tmp_path, capsy
     if not torch.cuda.is_available():
         assert probe_start.main(["--model-dir", "m", "--out", str(tmp_path), "--", "--tp-size", "2"]) == 2
     seen: list = []
-    monkeypatch.setattr(probe_start.subprocess, "Popen", lambda cmd, **kw: seen.append(cmd))
-    monkeypatch.setattr(probe_start, "common_flags", lambda: ("--common",))
+    monkeypatch.setattr(server_io.subprocess, "Popen", lambda cmd, **kw: seen.append(cmd))
+    monkeypatch.setattr(server_io, "common_flags", lambda: ("--common",))
     for engine in ("bf16", "fp8"):
         probe_start.launch("M", 1, str(tmp_path / f"{engine}.log"), engine, ["--tp-size", "2", "--ep-size", "2"])
     assert seen[0][-4:] == ["--tp-size", "2", "--ep-size", "2"] and "--quantization" not in seen[0]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Does a server of this layout start? One stock `launch_server` with the check scripts' flags, BF16 or FP8, and a
-time limit; on a start that never ends, the Python stacks of every process in its log (server_io.dump_stacks).
+time limit; on a start that never ends, the Python stacks of every process in its log (server_io.wait_healthy).
 
 Used to tell a hang of SGLang's from one of the plugin's: the same layout started BF16 (no --quantization) and
 with fp8_online_blockwise, side by side.
@@ -15,16 +15,14 @@ import os
 import subprocess
 import sys
 
-from server_io import common_flags, dump_stacks, stop, wait_healthy
+import server_io
+from server_io import stop, wait_healthy
 
 
 def launch(model: str, port: int, log: str, engine: str, flags: list[str]) -> subprocess.Popen:
-    """The stock launcher with the checks' common flags (server_io.launch without its fixed --quantization)."""
-    quant = ["--quantization", "fp8_online_blockwise"] if engine == "fp8" else []
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
-           "--load-format", "dummy", "--mem-fraction-static", "0.2", *quant, *common_flags(), *flags]
-    env = dict(os.environ, PYTHONFAULTHANDLER="1", SGLANG_JIT_DEEPGEMM_PRECOMPILE="0")
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    """server_io.launch of a dummy-weight server: BF16 (no --quantization) or with our method."""
+    return server_io.launch(model, port, log, "--load-format", "dummy", *flags, mem=0.2,
+                            quantization="fp8_online_blockwise" if engine == "fp8" else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,9 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"{what}: healthy after {wait_healthy(args.port, proc, args.timeout_s):.0f} s", flush=True)
         return 0
-    except (RuntimeError, TimeoutError) as e:
-        if proc.poll() is None:
-            dump_stacks(proc, settle_s=0)
+    except (RuntimeError, TimeoutError) as e:  # a timeout has dumped the stacks already (wait_healthy)
         tail = open(log, errors="replace").read().splitlines()[-40:]
         print(f"{what}: NOT healthy: {e}\n" + "\n".join(ln[:300] for ln in tail), flush=True)
         return 1

@@ -44,14 +44,16 @@ def url(port: int) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def launch(model: str, port: int, log: str, *extra: str, mem: float = 0.3,
-           env_extra: Optional[dict] = None) -> subprocess.Popen:
-    """The stock launcher, in its own process group; the plugin arrives through SGLang's entry-point loader."""
+def launch(model: str, port: int, log: str, *extra: str, mem: float = 0.3, env_extra: Optional[dict] = None,
+           quantization: Optional[str] = "fp8_online_blockwise") -> subprocess.Popen:
+    """The stock launcher, in its own process group; the plugin arrives through SGLang's entry-point loader.
+    ``quantization=None``: a BF16 server (no --quantization), for a comparison."""
     # PYTHONFAULTHANDLER: every process of the server prints its Python stacks on SIGABRT (dump_stacks)
     env = dict(os.environ, SGLANG_KERNEL_API_LOGLEVEL="1", SGLANG_KERNEL_API_LOGDEST=log + ".kapi_%i.log",
                SGLANG_JIT_DEEPGEMM_PRECOMPILE="0", PYTHONFAULTHANDLER="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
-           "--quantization", "fp8_online_blockwise", "--mem-fraction-static", str(mem), *common_flags(), *extra]
+    quant = ["--quantization", quantization] if quantization else []
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port), *quant,
+           "--mem-fraction-static", str(mem), *common_flags(), *extra]
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
