@@ -17,6 +17,9 @@ Configs (--configs, run in the order given):
   fp8            --quantization fp8_online_blockwise (this plugin, its defaults)
   fp8_triton     fp8 + --attention-backend triton
   fp8_kv         fp8 + --kv-cache-dtype fp8_e4m3 (the plugin calibrates the K/V scales at load)
+  fp8_kv_fa3     fp8_kv + --fp8rl-decode-attention fa3 (FlashAttention-3's FP8 decode at every batch size)
+  fp8_kv_splitkv fp8_kv + --fp8rl-decode-attention split_kv (the plugin's split-KV decode at every batch size; fp8_kv,
+                 the default auto, takes it up to 8 sequences and FA3 above)
   fp8_kv_triton  fp8_kv + --attention-backend triton
   fp8_kv_flashinfer  fp8_kv + --attention-backend flashinfer (its first start JIT-compiles FlashInfer's kernels)
 The ratios' baseline is the faster (smaller makespan, all requests done) of bf16 and bf16_graphs512 among the configs
@@ -106,6 +109,8 @@ CONFIGS: dict[str, list[str]] = {
     "fp8": list(BR._ONLINE),
     "fp8_triton": [*BR._ONLINE, "--attention-backend", "triton"],
     "fp8_kv": [*BR._ONLINE, *BR._FP8_KV],
+    "fp8_kv_fa3": [*BR._ONLINE, *BR._FP8_KV, BR.DECODE_ATTENTION_FLAG, "fa3"],
+    "fp8_kv_splitkv": [*BR._ONLINE, *BR._FP8_KV, BR.DECODE_ATTENTION_FLAG, "split_kv"],
     "fp8_kv_triton": [*BR._ONLINE, *BR._FP8_KV, "--attention-backend", "triton"],
     "fp8_kv_flashinfer": [*BR._ONLINE, *BR._FP8_KV, "--attention-backend", "flashinfer"],
 }

@@ -19,6 +19,10 @@ Opt-in (--configs), the FP8 KV cache of issue 15:
   fp8_online_blockwise_kv_static  the same + --fp8rl-kv-scales static (SGLang's scale 1.0, no decode fold)
   fp8_online_blockwise_kv_sglang_write  fp8_online_blockwise_kv + --fp8rl-kv-write sglang (SGLang's K/V write and a
                                   clamp, instead of the default one-kernel write)
+  fp8_online_blockwise_kv_fa3     fp8_online_blockwise_kv + --fp8rl-decode-attention fa3 (FlashAttention-3's FP8
+                                  decode at every batch size)
+  fp8_online_blockwise_kv_splitkv fp8_online_blockwise_kv + --fp8rl-decode-attention split_kv (the plugin's split-KV
+                                  decode at every batch size; the default, auto, takes it up to 8 sequences)
   bf16_kv                         BF16 weights + --kv-cache-dtype fp8_e4m3 (SGLang's static scale 1.0)
   fp8_online_noselect             the plugin with SGLang's GEMM dispatch only (--fp8rl-gemm-select off)
 
@@ -86,7 +90,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ["bf16", "fp8_online_blockwise", "block_prequant", "fp8_channel"]
 # opt-in: FP8 KV cache
 KV_CONFIGS = ["fp8_online_blockwise_kv", "fp8_online_blockwise_kv_static", "fp8_online_blockwise_kv_sglang_write",
-              "bf16_kv"]
+              "fp8_online_blockwise_kv_fa3", "fp8_online_blockwise_kv_splitkv", "bf16_kv"]
 EXTRA_CONFIGS = ["fp8_online_noselect", *KV_CONFIGS]  # opt-in (--configs)
 DESC = {
     "bf16": "BF16, no quantization",
@@ -97,11 +101,14 @@ DESC = {
     "fp8_online_blockwise_kv": "fp8_online_blockwise + --kv-cache-dtype fp8_e4m3 (K/V scales calibrated at load)",
     "fp8_online_blockwise_kv_static": "fp8_online_blockwise + --kv-cache-dtype fp8_e4m3 --fp8rl-kv-scales static",
     "fp8_online_blockwise_kv_sglang_write": "fp8_online_blockwise_kv + --fp8rl-kv-write sglang",
+    "fp8_online_blockwise_kv_fa3": "fp8_online_blockwise_kv + --fp8rl-decode-attention fa3 (FA3's FP8 decode)",
+    "fp8_online_blockwise_kv_splitkv": "fp8_online_blockwise_kv + --fp8rl-decode-attention split_kv (every batch)",
     "bf16_kv": "BF16 weights + --kv-cache-dtype fp8_e4m3 (SGLang's static scale 1.0)",
 }
 SHORT = {"bf16": "bf16", "fp8_online_blockwise": "online", "block_prequant": "block_prequant",
          "fp8_channel": "fp8_channel", "fp8_online_noselect": "online_noselect"}
 _FP8_KV = ["--kv-cache-dtype", "fp8_e4m3"]
+DECODE_ATTENTION_FLAG = "--fp8rl-decode-attention"
 _ONLINE = ["--quantization", "fp8_online_blockwise"]
 # (numerator, denominator, metric, batch size or None for every bs, threshold)
 TARGETS = [
@@ -145,6 +152,8 @@ def _base_spec(cfg: str, moe: bool) -> dict:
         "fp8_online_blockwise_kv": (plain, [*_ONLINE, *_FP8_KV], "0"),
         "fp8_online_blockwise_kv_static": (plain, [*_ONLINE, *_FP8_KV, KV.KV_SCALES_FLAG, "static"], "0"),
         "fp8_online_blockwise_kv_sglang_write": (plain, [*_ONLINE, *_FP8_KV, KV.KV_WRITE_FLAG, "sglang"], "0"),
+        "fp8_online_blockwise_kv_fa3": (plain, [*_ONLINE, *_FP8_KV, DECODE_ATTENTION_FLAG, "fa3"], "0"),
+        "fp8_online_blockwise_kv_splitkv": (plain, [*_ONLINE, *_FP8_KV, DECODE_ATTENTION_FLAG, "split_kv"], "0"),
         "bf16_kv": (plain, _FP8_KV, "0"),
     }
     if cfg not in specs:

@@ -19,7 +19,7 @@ MATRIX_TESTS=(
   tests/test_malformed_updates.py tests/test_replayed_writes.py tests/test_prequantized_updates.py
   tests/test_session_client.py tests/test_sessions.py tests/test_step_lifecycle.py tests/test_kv_engine.py
   tests/test_kv_scales.py tests/test_kv_tp_faults.py tests/test_deepgemm_direct.py tests/test_colocated.py
-  tests/test_step_truth.py
+  tests/test_step_truth.py tests/test_decode_attention.py
 )
 [ -n "${MATRIX_EXTRA_TESTS:-}" ] && MATRIX_TESTS+=($MATRIX_EXTRA_TESTS)
 # the trainers' own code, on the SGLang release each one pins (verl 0.9.1: 0.5.12; slime's image: 0.5.15.post1)

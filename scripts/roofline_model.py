@@ -46,6 +46,8 @@ PRECISION = {
     "bf16": ("bf16", "bf16"),
     "fp8_online_blockwise": ("fp8", "bf16"),
     "fp8_online_blockwise_kv": ("fp8", "fp8"),
+    "fp8_online_blockwise_kv_fa3": ("fp8", "fp8"),
+    "fp8_online_blockwise_kv_splitkv": ("fp8", "fp8"),
     "bf16_kv": ("bf16", "fp8"),
 }
 

@@ -15,6 +15,7 @@ import os
 import re
 from typing import Any, Sequence
 
+from sglang_fp8rl.kernels.attention_select import MODES as DECODE_ATTENTION_MODES
 from sglang_fp8rl.kernels.deepgemm import PRECOMPILE_ENV as DEEPGEMM_PRECOMPILE_ENV
 from sglang_fp8rl.kernels.gemm_select import DEFAULT_BUDGET_S as DEFAULT_GEMM_TUNE_BUDGET_S
 from sglang_fp8rl.kernels.gemm_select import GEMM_SELECT_MODES
@@ -43,6 +44,7 @@ class Fp8rlOptions:
     kv_scales: str = "auto"
     kv_calibration: str = ""
     kv_write: str = "fused"
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("bf16_first_layers", "bf16_last_layers"):
@@ -63,6 +65,9 @@ class Fp8rlOptions:
             raise ValueError(f"--fp8rl-kv-scales must be one of {KV_SCALE_OPTIONS}, got {self.kv_scales!r}")
         if self.kv_write not in KV_WRITE_OPTIONS:
             raise ValueError(f"--fp8rl-kv-write must be one of {KV_WRITE_OPTIONS}, got {self.kv_write!r}")
+        if self.decode_attention not in DECODE_ATTENTION_MODES:
+            raise ValueError(f"--fp8rl-decode-attention must be one of {DECODE_ATTENTION_MODES}, "
+                             f"got {self.decode_attention!r}")
         if not isinstance(self.kv_calibration, str):
             raise ValueError(f"--fp8rl-kv-calibration must be a path, got {self.kv_calibration!r}")
         object.__setattr__(self, "ignore", tuple(self.ignore))
@@ -175,6 +180,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "divides, saturates at +-448, casts and stores K and V, bit-identical to sglang = SGLang's division, "
              "cast and store plus a clamp (used wherever the kernel cannot run: no CUDA, fp32 KV scales, other "
              "cache layouts).",
+    )
+    group.add_argument(
+        _flag("decode_attention"), choices=DECODE_ATTENTION_MODES, default=d.decode_attention,
+        help="Decode attention over an FP8 E4M3 KV cache on the FlashAttention-3 backend: auto / split_kv = this "
+             "package's split-KV kernel for plain one-token decode calls (FA3 for every other call), fa3 = "
+             "FlashAttention-3 for all. split_kv refuses to start where the decode backend is not FA3.",
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from array import array
 from typing import Any, Sequence
 
@@ -326,3 +327,20 @@ def ready_for_forward(runner: Any) -> None:
         import inspect
 
         runner.support_pp = "pp_proxy_tensors" in inspect.signature(runner.model.forward).parameters
+
+
+# FlashAttention-3's entry point as SGLang's FA3 backend calls it: its module binds ``flash_attn_with_kvcache`` at
+# module level and its ``forward_decode`` calls that global (every supported release: tests/test_decode_attention.py
+# reads their sources), so the module attribute is where a decode call can be redirected
+FA3_BACKEND_CLASS = "FlashAttentionBackend"
+FA3_DECODE_FUNCTION = "flash_attn_with_kvcache"
+
+
+def fa3_kernel_module(backend: Any) -> Any:
+    """The module whose ``flash_attn_with_kvcache`` the FA3 backend class ``backend`` is or derives from calls, or
+    None if ``backend`` is no FA3 backend."""
+    for cls in type(backend).__mro__:
+        if cls.__name__ == FA3_BACKEND_CLASS:
+            module = sys.modules.get(cls.__module__)
+            return module if module is not None and hasattr(module, FA3_DECODE_FUNCTION) else None
+    return None

@@ -39,6 +39,7 @@ from sglang_fp8rl.compat.kv_pool import (
 )
 from sglang_fp8rl.compat.runtime import ready_for_forward
 from sglang_fp8rl.engine import OWNERS, declare
+from sglang_fp8rl.hooks.attention import install_decode_attention
 from sglang_fp8rl.kv_scales import resolve_kv_scale_mode
 from sglang_fp8rl.kv_scales.calibrate import recalibrate
 from sglang_fp8rl.kv_scales.decode_fold import decode_backend, install_decode_fold, unverified_reason
@@ -133,11 +134,13 @@ def use_backend(runner: Any) -> None:
 
 
 def wrap_init_attention_backends(original: Callable) -> Callable:
-    """ModelRunner.init_attention_backends, then the KV scales on the backend (use_backend)."""
+    """ModelRunner.init_attention_backends, then the KV scales on the backend (use_backend) and the FP8-KV decode
+    attention kernel (hooks/attention.py)."""
     def init_attention_backends(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         if kv_state().calibrating:
             use_backend(self)
+        install_decode_attention(self)
         return result
 
     return init_attention_backends

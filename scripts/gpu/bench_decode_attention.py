@@ -1,0 +1,254 @@
+"""Decode attention over an FP8 KV cache: this package's split-KV kernel against FlashAttention-3, per cell.
+
+One query token per sequence, Qwen3-8B's attention (32 query heads, 8 KV heads, head dim 128), SGLang's paged cache
+with page size 1 (each sequence's slots contiguous, the sequences in shuffled order), KV scales as SGLang passes them
+to FA3 (a [1] tensor expanded to [batch, kv_heads]). Per cell (running batch x context):
+
+  fa3_bf16    FA3 on a BF16 cache (SGLang's BF16 decode), with SGLang's precomputed scheduler metadata
+  fa3_fp8     FA3 on the FP8 cache, the query cast to E4M3 (SGLang's FP8-KV decode today)
+  split_kv    sglang_fp8rl.kernels.fp8_decode_attention with its defaults, and each variant of the sweep
+              (BLOCK_N x warps x stages x splits)
+
+Each kernel runs over several copies of the cache (one per "layer", so that a small cell does not live in L2),
+captured in one CUDA graph and replayed: microseconds per call, the bytes it must read (K + V of every context token,
+the query and the output) and the bandwidth that makes, against the device's copy bandwidth measured in the same
+run. Accuracy: each kernel's output against a float64 reference computed from the same E4M3 query and cache.
+
+  python scripts/gpu/bench_decode_attention.py --out /tmp/attn [--quick] [--deadline-s 400]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from sglang_fp8rl.kernels import fp8_decode_attention as FDA  # noqa: E402
+from sglang_fp8rl.kernels.gemm_select import measure  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 32, 8, 128
+CELLS = [(1, 4096), (1, 12288), (8, 4096), (8, 12288), (32, 4096), (32, 12288), (128, 1024), (128, 4096),
+         (384, 1024)]
+QUICK_CELLS = [(1, 4096), (8, 4096), (32, 4096), (128, 1024)]
+SWEEP = {"block_n": (64, 128), "num_warps": (4,), "num_stages": (2, 3, 4),
+         "splits": (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64)}
+QUICK_SWEEP = {"block_n": (128,), "num_warps": (4,), "num_stages": (3,), "splits": (1, 2, 4, 8, 16, 33)}
+L2_DEFEAT_BYTES = 512 << 20  # the cache copies of a cell span at least this much
+MAX_COPIES = 36
+REPLAYS = 5
+
+
+def copy_bandwidth(dev: torch.device) -> float:
+    """Device-to-device copy bandwidth in GB/s (read + write), best of six 1 GiB copies."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    best = 0.0
+    for _ in range(6):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        best = max(best, 2 * a.numel() / (s.elapsed_time(e) * 1e6))
+    return best
+
+
+class Cell:
+    """The caches, page table and queries of one (batch, context) cell, in ``copies`` layer copies."""
+
+    def __init__(self, batch: int, context: int, dev: torch.device, bf16: bool):
+        self.batch, self.context = batch, context
+        tokens = batch * context
+        layer_bytes = tokens * KV_HEADS * DIM * 2
+        self.copies = max(2, min(MAX_COPIES, math.ceil(L2_DEFEAT_BYTES / layer_bytes)))
+        slots = tokens + 1  # slot 0 is SGLang's padding slot
+        gen = torch.Generator(device=dev).manual_seed(batch * 100003 + context)
+        self.k = [(torch.randn(slots, 1, KV_HEADS, DIM, device=dev, generator=gen) * 1.5).to(torch.float8_e4m3fn)
+                  for _ in range(self.copies)]
+        self.v = [(torch.randn(slots, 1, KV_HEADS, DIM, device=dev, generator=gen) * 1.5).to(torch.float8_e4m3fn)
+                  for _ in range(self.copies)]
+        self.k_bf16 = [k.to(torch.bfloat16) for k in self.k] if bf16 else None
+        self.v_bf16 = [v.to(torch.bfloat16) for v in self.v] if bf16 else None
+        order = torch.randperm(batch, generator=torch.Generator().manual_seed(context))
+        starts = 1 + order * context
+        self.page_table = (starts[:, None] + torch.arange(context)[None, :]).to(torch.int32).to(dev)
+        self.seqlens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+        self.cu_q = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+        self.q = torch.randn(batch, HEADS, DIM, device=dev, generator=gen).to(torch.bfloat16)
+        self.q8 = self.q.to(torch.float8_e4m3fn)
+        self.k_scale = torch.tensor([0.75], device=dev)
+        self.v_scale = torch.tensor([1.25], device=dev)
+        self.scale = DIM ** -0.5
+
+    def read_bytes(self, kv_bytes_per_elem: int, q_bytes: int) -> int:
+        kv = 2 * self.batch * self.context * KV_HEADS * DIM * kv_bytes_per_elem
+        return kv + self.batch * HEADS * DIM * (q_bytes + 2)
+
+    def reference(self, seqs: int = 2) -> torch.Tensor:
+        """float64 attention of the first ``seqs`` sequences (layer copy 0), from the E4M3 query and cache."""
+        group = HEADS // KV_HEADS
+        out = []
+        for b in range(min(seqs, self.batch)):
+            rows = self.page_table[b, : self.context].long()
+            k = self.k[0][rows, 0].float().double() * self.k_scale.double()
+            v = self.v[0][rows, 0].float().double() * self.v_scale.double()
+            q = self.q8[b].float().double()
+            k = k.repeat_interleave(group, dim=1)  # [ctx, heads, dim]
+            v = v.repeat_interleave(group, dim=1)
+            s = torch.einsum("hd,thd->ht", q, k) * self.scale
+            out.append(torch.einsum("ht,thd->hd", torch.softmax(s, dim=-1), v))
+        return torch.stack(out)
+
+
+def fa3_calls(cell: Cell, fp8: bool):
+    from sgl_kernel.flash_attn import flash_attn_with_kvcache, get_scheduler_metadata
+
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    meta = get_scheduler_metadata(batch_size=cell.batch, max_seqlen_q=1, max_seqlen_k=cell.context,
+                                  num_heads=HEADS, num_heads_k=KV_HEADS, headdim=DIM, cache_seqlens=cell.seqlens,
+                                  qkv_dtype=dtype, cu_seqlens_q=cell.cu_q, page_size=1, causal=True,
+                                  has_softcap=False, num_splits=0)
+    extra = {}
+    if fp8:
+        shape = (cell.batch, KV_HEADS)
+        extra = {"k_descale": cell.k_scale.expand(shape), "v_descale": cell.v_scale.expand(shape)}
+    q = cell.q8 if fp8 else cell.q
+    ks, vs = (cell.k, cell.v) if fp8 else (cell.k_bf16, cell.v_bf16)
+
+    def call(i: int) -> torch.Tensor:
+        return flash_attn_with_kvcache(q=q, k_cache=ks[i], v_cache=vs[i], page_table=cell.page_table,
+                                       cache_seqlens=cell.seqlens, cu_seqlens_q=cell.cu_q, max_seqlen_q=1,
+                                       softmax_scale=cell.scale, causal=True, scheduler_metadata=meta, **extra)
+    return call
+
+
+def split_kv_call(cell: Cell, cfg: dict, sms: int):
+    splits = cfg.get("splits") or FDA.num_splits(cell.batch, KV_HEADS, sms)
+    kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages") if k in cfg}
+
+    def call(i: int) -> torch.Tensor:
+        return FDA.fp8_decode_attention(cell.q8, cell.k[i], cell.v[i], cell.page_table, cell.seqlens, cell.scale,
+                                        cell.k_scale, cell.v_scale, splits=splits, **kw)
+    return call, splits
+
+
+def time_graph(call, copies: int) -> float:
+    """Microseconds per call: every layer copy once per CUDA graph, replayed REPLAYS times, median."""
+    return measure.time_graph(call, nrot=copies, calls=copies, reps=REPLAYS)
+
+
+def error_vs(ref: torch.Tensor, out: torch.Tensor) -> dict:
+    got = out[: ref.shape[0]].double()
+    diff = (got - ref).abs()
+    return {"max_abs": float(diff.max()), "max_rel": float((diff / ref.abs().clamp_min(1e-2)).max()),
+            "ref_max": float(ref.abs().max())}
+
+
+def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float) -> dict:
+    ref = cell.reference()
+    row = {"batch": cell.batch, "context": cell.context, "copies": cell.copies, "kernels": {}, "sweep": []}
+    for name, fp8 in (("fa3_bf16", False), ("fa3_fp8", True)):
+        try:
+            call = fa3_calls(cell, fp8)
+            us = time_graph(call, cell.copies)
+            nbytes = cell.read_bytes(1 if fp8 else 2, 1 if fp8 else 2)
+            row["kernels"][name] = {"us": us, "gbps": nbytes / us / 1e3, "of_copy_bw": nbytes / us / 1e3 / bw}
+            if fp8:  # the BF16 cache holds the codes unscaled: not comparable with the reference
+                row["kernels"][name]["error"] = error_vs(ref, call(0))
+        except Exception as e:  # FA3 missing or refusing a shape: recorded, the sweep goes on
+            row["kernels"][name] = {"error_text": f"{type(e).__name__}: {e}"[:300]}
+    nbytes = cell.read_bytes(1, 1)
+    default_call, splits = split_kv_call(cell, {}, sms)
+    us = time_graph(default_call, cell.copies)
+    row["kernels"]["split_kv"] = {"us": us, "splits": splits, "gbps": nbytes / us / 1e3,
+                                  "of_copy_bw": nbytes / us / 1e3 / bw, "error": error_vs(ref, default_call(0))}
+    keys = list(sweep)
+    for values in itertools.product(*(sweep[k] for k in keys)):
+        if time.time() > deadline:
+            row["sweep_cut"] = True
+            break
+        cfg = dict(zip(keys, values))
+        try:
+            call, splits = split_kv_call(cell, cfg, sms)
+            us = time_graph(call, cell.copies)
+            row["sweep"].append({**cfg, "splits": splits, "us": us, "gbps": nbytes / us / 1e3})
+        except Exception as e:  # a config Triton cannot compile (shared memory): recorded
+            row["sweep"].append({**cfg, "error_text": f"{type(e).__name__}: {e}"[:200]})
+    ok = [s for s in row["sweep"] if "us" in s]
+    if ok:
+        row["best"] = min(ok, key=lambda s: s["us"])
+    return row
+
+
+def report(result: dict) -> str:
+    bw = result["copy_gbps"]
+    lines = [f"## FP8-KV decode attention: split-KV (this package) vs FlashAttention-3, {result['device']}",
+             f"copy bandwidth {bw:,.0f} GB/s; {HEADS} query heads, {KV_HEADS} KV heads, head dim {DIM}, page size 1; "
+             f"{result['date']}", "",
+             "| bs x context | FA3 BF16 us (% copy BW) | FA3 FP8 us (%) | split-KV default us (%) | best sweep us (%) "
+             "| best config | FA3 FP8 / split-KV | max abs err FA3 FP8 / split-KV |",
+             "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
+    for row in result["cells"]:
+        k = row["kernels"]
+
+        def cellfmt(name, k=k):
+            d = k.get(name, {})
+            return f"{d['us']:.1f} ({100 * d['of_copy_bw']:.0f} %)" if "us" in d else "-"
+        best = row.get("best")
+        best_txt = f"{best['us']:.1f} ({100 * best['gbps'] / bw:.0f} %)" if best else "-"
+        cfg = (f"n{best['block_n']} w{best['num_warps']} s{best['num_stages']}, {best['splits']} splits"
+               if best else "-")
+        ratio = (f"{k['fa3_fp8']['us'] / k['split_kv']['us']:.2f}x" if "us" in k.get("fa3_fp8", {}) else "-")
+        errs = "/".join(f"{k[n]['error']['max_abs']:.2e}" if "error" in k.get(n, {}) else "-"
+                        for n in ("fa3_fp8", "split_kv"))
+        lines.append(f"| {row['batch']} x {row['context']} | {cellfmt('fa3_bf16')} | {cellfmt('fa3_fp8')} | "
+                     f"{cellfmt('split_kv')} | {best_txt} | {cfg} | {ratio} | {errs} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true", help="four cells and a small sweep")
+    p.add_argument("--deadline-s", type=float, default=400.0, help="stop sweeping after this many seconds")
+    p.add_argument("--no-sweep", action="store_true")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    bw = copy_bandwidth(dev)
+    result = {"device": props.name, "sms": props.multi_processor_count, "copy_gbps": bw,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+              "cells": []}
+    try:
+        import triton
+        result["triton"] = triton.__version__
+    except ImportError:
+        pass
+    cells = QUICK_CELLS if args.quick else CELLS
+    sweep = {} if args.no_sweep else (QUICK_SWEEP if args.quick else SWEEP)
+    for i, (batch, context) in enumerate(cells):
+        cell_deadline = t0 + args.deadline_s * (i + 1) / len(cells)
+        cell = Cell(batch, context, dev, bf16=True)
+        result["cells"].append(run_cell(cell, sweep, props.multi_processor_count, bw, cell_deadline))
+        del cell
+        torch.cuda.empty_cache()
+        print(report(result).splitlines()[-1], flush=True)
+        with open(os.path.join(args.out, "decode_attention.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    text = report(result)
+    with open(os.path.join(args.out, "decode_attention.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Decode attention over an FP8 KV cache on SGLang's FlashAttention-3 backend (``--fp8rl-decode-attention``).
+
+After ``ModelRunner.init_attention_backends`` (before any CUDA graph is captured), for a model served with this
+package's quantization and an ``fp8_e4m3`` KV cache whose decode backend is FA3: the FA3 backend module's
+``flash_attn_with_kvcache``, which its ``forward_decode`` calls (on every supported release:
+tests/test_decode_attention.py reads their sources), becomes the dispatcher of :mod:`sglang_fp8rl.kernels.
+attention_select`. Other servers are left untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from sglang_fp8rl.compat.runtime import FA3_DECODE_FUNCTION, fa3_kernel_module
+from sglang_fp8rl.kernels.attention_select import FA3, SPLIT_KV, dispatching, original_of
+from sglang_fp8rl.kv_scales.decode_fold import decode_backend
+from sglang_fp8rl.server_args import QUANTIZATION_NAME, get_options
+
+logger = logging.getLogger(__name__)
+
+FP8_KV_DTYPES = ("fp8_e4m3",)
+
+
+def fa3_module(backend: Any) -> Optional[Any]:
+    """The FA3 module whose kernel entry point the decode side of ``backend`` calls, or None (not FA3)."""
+    return fa3_kernel_module(decode_backend(backend))
+
+
+def not_served_here(args: Any) -> Optional[str]:
+    """Why this server's decode attention is not ours to choose, or None."""
+    if getattr(args, "quantization", None) != QUANTIZATION_NAME:
+        return f"--quantization is not {QUANTIZATION_NAME}"
+    if str(getattr(args, "kv_cache_dtype", "auto")) not in FP8_KV_DTYPES:
+        return "the KV cache is not fp8_e4m3"
+    return None
+
+
+def install_decode_attention(runner: Any) -> str:
+    """Send the FA3 backend's plain FP8 decode calls to the split-KV kernel, per the option; returns what was done.
+
+    Raises ValueError when ``--fp8rl-decode-attention split_kv`` was asked for where it cannot apply."""
+    mode = get_options().decode_attention
+    if mode == FA3 or not_served_here(runner.server_args):
+        return "untouched"
+    module = fa3_module(runner.attn_backend)
+    if module is None:
+        name = type(decode_backend(runner.attn_backend)).__name__
+        if mode == SPLIT_KV:
+            raise ValueError(f"--fp8rl-decode-attention split_kv: the decode attention backend is {name}, not "
+                             "FlashAttention-3 (--attention-backend fa3, or --decode-attention-backend fa3)")
+        logger.info("[fp8rl] decode attention: %s's own (the split-KV kernel replaces FlashAttention-3 only)", name)
+        return "not fa3"
+    current = getattr(module, FA3_DECODE_FUNCTION)
+    setattr(module, FA3_DECODE_FUNCTION, dispatching(original_of(current) or current, mode))
+    logger.info("[fp8rl] decode attention: plain FP8-KV decode calls of %s go to the split-KV kernel (%s)",
+                module.__name__, mode)
+    return "installed"

@@ -1,0 +1,130 @@
+"""Which kernel runs a decode step's attention over an FP8 KV cache: SGLang's FlashAttention-3 call, or this package's
+split-KV kernel (:mod:`sglang_fp8rl.kernels.fp8_decode_attention`).
+
+SGLang's FA3 backend calls its module's ``flash_attn_with_kvcache`` for every attention call (prefill, decode,
+cascade, cross attention); :func:`dispatching` wraps that function (hooks/attention.py installs it before any CUDA
+graph is captured). Each call is judged by its keywords alone, on the host, so a captured graph replays the kernel its
+capture chose: a call that is a plain one-token-per-sequence decode over an E4M3 cache with its descales, that the
+split-KV kernel can take, goes to it under ``--fp8rl-decode-attention split_kv``, and under ``auto`` (the default)
+when the batch holds at most ``AUTO_MAX_BATCH`` sequences; every other call, and every call under ``fa3``, goes to
+FA3 unchanged. Each decision is logged once, with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+FA3 = "fa3"
+SPLIT_KV = "split_kv"
+MODES = ("auto", FA3, SPLIT_KV)  # --fp8rl-decode-attention
+# auto takes the split-KV kernel up to this many sequences in a decode batch (the captured batch size), FA3 above.
+# Measured (docs/RESULTS.md sec. 23): in the longer-tailed RL rollout its decode steps at 1-8 running were faster
+# than FA3's (H200: 5.9 / 7.0 ms against 7.5 / 7.6 ms) and slower from 17 on (12.5 against 11.5 ms at 17-32): its
+# splits are fixed per captured batch (one split per sequence from batch 32), so with ragged contexts the longest
+# sequence's programs set the step, where FA3 sizes its splits from each step's longest context.
+AUTO_MAX_BATCH = 8
+_MARK = "_fp8rl_decode_attention"
+
+# FA3 keywords a plain decode call may carry with any value (the call's operands and settings we honour or that do
+# not change the result of a one-token decode: causal masking of a single last query is no masking)
+_OPERANDS = frozenset({"q", "k_cache", "v_cache", "page_table", "cache_seqlens", "cu_seqlens_q", "max_seqlen_q",
+                       "softmax_scale", "causal", "k_descale", "v_descale", "out", "scheduler_metadata",
+                       "num_splits", "window_size", "softcap", "return_softmax_lse", "ver"})
+# keywords that must be absent or hold their neutral value
+_NEUTRAL = {"k": None, "v": None, "qv": None, "rotary_cos": None, "rotary_sin": None, "cache_batch_idx": None,
+            "cache_leftpad": None, "cu_seqlens_k_new": None, "rotary_seqlens": None, "q_descale": None,
+            "sinks": None, "attention_chunk": 0, "pack_gqa": None, "sm_margin": 0, "score_mod": None,
+            "aux_tensors": None, "rel_bias": None, "rel_bias_prep_cache": None, "sfq": None, "sfk": None,
+            "sfv": None, "rotary_interleaved": True}
+
+
+def not_plain_decode(kwargs: Mapping[str, Any]) -> str | None:
+    """Why an FA3 call is not a plain one-token decode over an E4M3 cache with descales, or None."""
+    unknown = sorted(set(kwargs) - _OPERANDS - set(_NEUTRAL))
+    if unknown:
+        return f"FA3 keywords this kernel does not implement: {unknown}"
+    for key, neutral in _NEUTRAL.items():
+        value = kwargs.get(key)
+        if value is not None and (neutral is None or not isinstance(value, (bool, int, float)) or value != neutral):
+            return f"{key} is set"
+    if kwargs.get("max_seqlen_q") != 1:
+        return "not a decode (more than one query token per sequence)"
+    if kwargs.get("page_table") is None or kwargs.get("cache_seqlens") is None:
+        return "no page table or cache lengths"
+    if kwargs.get("window_size") not in (None, (-1, -1), [-1, -1]):
+        return "sliding-window attention"
+    if kwargs.get("softcap") not in (None, 0, 0.0):
+        return "logit soft-capping"
+    if kwargs.get("return_softmax_lse"):
+        return "the log-sum-exp is asked for (cascade attention)"
+    if kwargs.get("ver", 3) != 3:
+        return f"FlashAttention version {kwargs.get('ver')}"
+    if kwargs.get("num_splits") == 1:
+        return "one split asked for (deterministic inference: results independent of the batch)"
+    if kwargs.get("k_descale") is None or kwargs.get("v_descale") is None:
+        return "no K/V descales (not an FP8 cache with scales)"
+    return None
+
+
+def split_kv_blocker(kwargs: Mapping[str, Any]) -> str | None:
+    """Why the split-KV kernel cannot run this FA3 call, or None."""
+    reason = not_plain_decode(kwargs)
+    if reason:
+        return reason
+    from sglang_fp8rl.kernels.fp8_decode_attention import cannot_run  # Triton: imported on the first decode call
+
+    return cannot_run(kwargs["q"], kwargs["k_cache"], kwargs["v_cache"], kwargs["page_table"],
+                      kwargs["cache_seqlens"])
+
+
+def choose(mode: str, kwargs: Mapping[str, Any]) -> tuple[str, str]:
+    """(kernel, why) for one FA3 call under ``--fp8rl-decode-attention mode``."""
+    if mode not in MODES:
+        raise ValueError(f"--fp8rl-decode-attention must be one of {MODES}, got {mode!r}")
+    if mode == FA3:
+        return FA3, "--fp8rl-decode-attention fa3"
+    reason = split_kv_blocker(kwargs)
+    if reason:
+        return FA3, reason
+    if mode == "auto" and kwargs["q"].shape[0] > AUTO_MAX_BATCH:
+        return FA3, f"decode batches above {AUTO_MAX_BATCH} sequences (auto; split_kv takes them)"
+    if mode == "auto":
+        return SPLIT_KV, f"plain decode over an E4M3 cache, batches up to {AUTO_MAX_BATCH} sequences"
+    return SPLIT_KV, "plain decode over an E4M3 cache (split_kv)"
+
+
+def run_split_kv(kwargs: Mapping[str, Any]) -> Any:
+    """The split-KV kernel on an FA3 call's operands (FA3's output layout: [tokens, heads, head_dim])."""
+    from sglang_fp8rl.kernels.fp8_decode_attention import fp8_decode_attention
+
+    return fp8_decode_attention(kwargs["q"], kwargs["k_cache"], kwargs["v_cache"], kwargs["page_table"],
+                                kwargs["cache_seqlens"], kwargs["softmax_scale"], kwargs["k_descale"],
+                                kwargs["v_descale"], out=kwargs.get("out"))
+
+
+def dispatching(original: Callable, mode: str) -> Callable:
+    """``original`` (FA3's ``flash_attn_with_kvcache``) with plain FP8 decode calls sent to the split-KV kernel."""
+    original = original_of(original) or original  # a dispatcher is replaced, never wrapped
+    logged: set[tuple[str, str]] = set()
+
+    def flash_attn_with_kvcache(*args: Any, **kwargs: Any) -> Any:
+        kernel, why = (FA3, "positional arguments") if args else choose(mode, kwargs)
+        if (kernel, why) not in logged:
+            logged.add((kernel, why))
+            logger.info("[fp8rl] decode attention: %s for %s calls (%s)", kernel,
+                        "decode" if kernel == SPLIT_KV else "these", why)
+        if kernel == SPLIT_KV:
+            return run_split_kv(kwargs)
+        return original(*args, **kwargs)
+
+    setattr(flash_attn_with_kvcache, _MARK, original)
+    return flash_attn_with_kvcache
+
+
+def original_of(fn: Callable) -> Callable | None:
+    """The FA3 function a dispatcher wraps, or None if ``fn`` is not one."""
+    return getattr(fn, _MARK, None)

@@ -1,0 +1,75 @@
+"""The split-KV FP8 decode attention kernel (kernels/fp8_decode_attention.py) on a GPU: against the float64 reference,
+against FlashAttention-3's FP8 decode where sgl_kernel's FA3 is installed, and inside a CUDA graph captured at one
+context length and replayed at others (its splits are fixed per batch, its tiles per split read at run time)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decode_attention_case import ROW_TOLERANCE, paged_case, reference
+from sglang_fp8rl.kernels.fp8_decode_attention import fp8_decode_attention
+
+pytestmark = pytest.mark.gpu
+
+
+def on_cuda(case: dict) -> dict:
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+
+
+def run(case: dict, **kw) -> torch.Tensor:
+    return fp8_decode_attention(case["q"], case["k_cache"], case["v_cache"], case["page_table"], case["cache_seqlens"],
+                                case["softmax_scale"], case["k_descale"], case["v_descale"], **kw)
+
+
+# (batch, kv_heads, group, dim, page, lengths): Qwen3-8B's heads at batch 1 and 8, ragged lengths, pages > 1
+CASES = [(1, 8, 4, 128, 1, [4096]), (8, 8, 4, 128, 1, [1, 17, 128, 129, 1000, 2048, 3000, 4097]),
+         (3, 2, 8, 64, 16, [5, 300, 2000]), (33, 4, 4, 128, 1, [i * 37 + 1 for i in range(33)])]
+
+
+@pytest.mark.parametrize("batch,kv_heads,group,dim,page,lens", CASES)
+def test_matches_the_float64_reference(batch, kv_heads, group, dim, page, lens):
+    case = paged_case(batch, batch, kv_heads, group, dim, page, lens)
+    ref, vmax = reference(case)
+    gpu = on_cuda(case)
+    out32 = torch.full(ref.shape, float("nan"), device="cuda")
+    run(gpu, out=out32)
+    assert ((out32.double().cpu() - ref).abs() <= ROW_TOLERANCE * vmax).all()
+    out16 = run(gpu)
+    assert out16.dtype == torch.bfloat16
+    assert torch.equal(out16, run(gpu)), "not deterministic"
+
+
+def test_agrees_with_fa3_fp8_decode():
+    flash_attn = pytest.importorskip("sgl_kernel.flash_attn")
+    case = on_cuda(paged_case(7, 8, 8, 4, 128, 1, [64, 300, 1024, 4000, 5, 777, 2048, 129]))
+    ref, vmax = reference({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in case.items()})
+    batch = case["q"].shape[0]
+    fa3 = flash_attn.flash_attn_with_kvcache(
+        q=case["q"].contiguous(), k_cache=case["k_cache"], v_cache=case["v_cache"], page_table=case["page_table"],
+        cache_seqlens=case["cache_seqlens"], cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        max_seqlen_q=1, softmax_scale=case["softmax_scale"], causal=True, k_descale=case["k_descale"],
+        v_descale=case["v_descale"])
+    ours = run(case)
+    err_fa3 = ((fa3.double().cpu() - ref).abs() / vmax).max().item()
+    err_ours = ((ours.double().cpu() - ref).abs() / vmax).max().item()
+    # FA3 rounds P to E4M3, this kernel to FP16: it is the closer of the two to the reference
+    assert err_ours <= err_fa3 + 1e-3, (err_ours, err_fa3)
+    assert err_fa3 < 0.05
+
+
+def test_a_graph_captured_at_one_length_replays_at_others():
+    case = on_cuda(paged_case(3, 4, 8, 4, 128, 1, [4096] * 4))
+    lens = case["cache_seqlens"]
+    out = torch.empty(4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    lens.fill_(16)
+    run(case, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(case, out=out)
+    for new in ([16, 16, 16, 16], [4096, 1, 2000, 3333], [1, 1, 1, 4096]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run(case)), new

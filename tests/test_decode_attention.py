@@ -1,0 +1,278 @@
+"""Which kernel runs FP8-KV decode attention (``--fp8rl-decode-attention``): the call classifier and dispatcher
+(sglang_fp8rl.kernels.attention_select), the hook that installs it on SGLang's FA3 backend (hooks/attention.py), the
+patch point in the installed SGLang's source, and the option.
+
+In-process on CPU; the one check that runs the split-KV kernel does so under the Triton interpreter (a subprocess).
+The real FA3 backend needs CUDA to import: the hook is checked on a stand-in module, and the installed release's
+``flashattention_backend.py`` is read with ``ast`` to show that the stand-in has the shape the hook relies on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import logging
+import pathlib
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+from decode_attention_case import DROP, fa3_decode_kwargs, paged_case
+from triton_interpreter import run_under_interpreter
+
+from sglang_fp8rl.hooks.attention import install_decode_attention
+from sglang_fp8rl.kernels import attention_select as sel
+from sglang_fp8rl.server_args import Fp8rlOptions, options_from_namespace, parse_args, set_options
+
+CASE = paged_case(0, 2, 2, 4, 64, 1, [5, 3])
+
+
+def plain(**change) -> dict:
+    return fa3_decode_kwargs(CASE, **change)
+
+
+NOT_PLAIN = [
+    (dict(max_seqlen_q=2), "not a decode"),
+    (dict(window_size=(128, 0)), "sliding-window attention"),
+    (dict(softcap=30.0), "logit soft-capping"),
+    (dict(return_softmax_lse=True), "the log-sum-exp is asked for"),
+    (dict(sinks=torch.zeros(8)), "sinks is set"),
+    (dict(qv=torch.zeros(2, 8, 64)), "qv is set"),
+    (dict(cu_seqlens_k_new=torch.zeros(3, dtype=torch.int32)), "cu_seqlens_k_new is set"),
+    (dict(ver=4), "FlashAttention version 4"),
+    (dict(num_splits=1), "one split asked for"),
+    (dict(k_descale=DROP), "no K/V descales"),
+    (dict(foo=1), "keywords this kernel does not implement: ['foo']"),
+    (dict(page_table=None), "no page table"),
+]
+
+
+@pytest.mark.parametrize("scheduler_metadata", [torch.zeros(3, dtype=torch.int32), None])
+def test_sglangs_plain_decode_call_is_plain(scheduler_metadata):
+    assert sel.not_plain_decode(plain(scheduler_metadata=scheduler_metadata)) is None
+    # neutral values SGLang passes on other paths (the local-attention call passes cu_seqlens_k_new=None)
+    assert sel.not_plain_decode(plain(cu_seqlens_k_new=None, attention_chunk=0, window_size=[-1, -1])) is None
+
+
+@pytest.mark.parametrize("change, reason", NOT_PLAIN, ids=[next(iter(c)) for c, _ in NOT_PLAIN])
+def test_each_other_call_is_not_plain_with_its_reason(change, reason):
+    assert reason in (sel.not_plain_decode(plain(**change)) or "")
+    assert sel.choose("auto", plain(**change)) == (sel.FA3, sel.not_plain_decode(plain(**change)))
+
+
+def test_choose():
+    assert sel.choose("fa3", plain()) == ("fa3", "--fp8rl-decode-attention fa3")
+    assert sel.choose("auto", plain())[0] == "split_kv"
+    assert sel.choose("split_kv", plain())[0] == "split_kv"
+    bf16 = plain(k_cache=CASE["k_cache"].to(torch.bfloat16), v_cache=CASE["v_cache"].to(torch.bfloat16))
+    for mode in ("auto", "split_kv"):  # split_kv too: a call the kernel cannot take still runs, on FA3
+        kernel, why = sel.choose(mode, bf16)
+        assert kernel == "fa3" and "not float8_e4m3fn" in why
+    with pytest.raises(ValueError, match="--fp8rl-decode-attention must be one of"):
+        sel.choose("triton", plain())
+
+
+def test_auto_takes_the_kernel_up_to_its_batch_limit_and_split_kv_above_it():
+    limit = sel.AUTO_MAX_BATCH
+    for batch, auto_kernel in ((1, "split_kv"), (limit, "split_kv"), (limit + 1, "fa3"), (4 * limit, "fa3")):
+        case = paged_case(1, batch, 2, 4, 64, 1, [3] * batch)
+        kernel, why = sel.choose("auto", fa3_decode_kwargs(case))
+        assert kernel == auto_kernel, (batch, why)
+        if kernel == "fa3":
+            assert f"above {limit}" in why
+        assert sel.choose("split_kv", fa3_decode_kwargs(case))[0] == "split_kv"  # the explicit mode: every batch
+
+
+class Recorder:
+    """A stand-in for FA3's flash_attn_with_kvcache: records its calls, returns a new object each time."""
+
+    def __init__(self):
+        self.calls, self.results = [], []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        self.results.append(object())
+        return self.results[-1]
+
+
+def test_calls_the_kernel_does_not_take_reach_fa3_unchanged():
+    fa3 = Recorder()
+    dispatch = sel.dispatching(fa3, "auto")
+    for change, _ in NOT_PLAIN:
+        kwargs = plain(**change)
+        assert dispatch(**kwargs) is fa3.results[-1]
+        args_seen, kwargs_seen = fa3.calls[-1]
+        assert args_seen == () and kwargs_seen.keys() == kwargs.keys()
+        assert all(kwargs_seen[k] is kwargs[k] for k in kwargs)  # the same objects, not copies
+    positional = (CASE["q"], CASE["k_cache"], CASE["v_cache"])
+    assert dispatch(*positional, page_table=CASE["page_table"]) is fa3.results[-1]
+    assert all(a is b for a, b in zip(fa3.calls[-1][0], positional))
+    assert fa3.calls[-1][1]["page_table"] is CASE["page_table"]
+
+
+def test_mode_fa3_sends_every_call_to_fa3():
+    fa3 = Recorder()
+    dispatch = sel.dispatching(fa3, "fa3")
+    for kwargs in (plain(), plain(softcap=30.0), plain(out=torch.empty(2, 8, 64, dtype=torch.bfloat16))):
+        assert dispatch(**kwargs) is fa3.results[-1]
+        assert all(fa3.calls[-1][1][k] is kwargs[k] for k in kwargs)
+    assert dispatch(CASE["q"]) is fa3.results[-1] and len(fa3.calls) == 4
+
+
+def test_rewrapping_wraps_the_original_once():
+    fa3 = Recorder()
+    inner = sel.dispatching(fa3, "auto")
+    outer = sel.dispatching(inner, "fa3")
+    assert sel.original_of(inner) is fa3 and sel.original_of(outer) is fa3 and sel.original_of(fa3) is None
+    # through the inner (auto) dispatcher this plain call would go to the kernel: it reaches FA3
+    assert outer(**plain()) is fa3.results[-1] and len(fa3.calls) == 1
+
+
+def test_each_decision_is_logged_once(caplog):
+    dispatch = sel.dispatching(Recorder(), "auto")
+    with caplog.at_level(logging.INFO, logger=sel.logger.name):
+        for _ in range(2):
+            dispatch(**plain(softcap=30.0))
+            dispatch(**plain(max_seqlen_q=4))
+            dispatch(CASE["q"])
+    said = [r.getMessage() for r in caplog.records if r.name == sel.logger.name]
+    assert len(said) == 3, said
+    assert "fa3" in said[0] and "logit soft-capping" in said[0] and "positional arguments" in said[2]
+
+
+KERNEL_THROUGH_DISPATCHER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "tests")
+    import torch
+    from decode_attention_case import ROW_TOLERANCE, fa3_decode_kwargs, paged_case, reference
+    from sglang_fp8rl.kernels.attention_select import dispatching
+
+    def fa3(*args, **kwargs):
+        raise AssertionError("a plain FP8 decode call reached FA3")
+
+    for mode in ("auto", "split_kv"):
+        case = paged_case(5, 3, 2, 4, 128, 1, [70, 1, 300], scalar_descale=True)
+        ref, vmax = reference(case)
+        out = torch.full(case["q"].shape, float("nan"), dtype=torch.bfloat16)  # SGLang's _attn_output view
+        assert dispatching(fa3, mode)(**fa3_decode_kwargs(case, out=out)) is out
+        fresh = dispatching(fa3, mode)(**fa3_decode_kwargs(case))
+        assert torch.equal(fresh, out) and fresh.dtype == torch.bfloat16
+        tol = ROW_TOLERANCE * vmax + 2**-7 * (ref.abs() + ROW_TOLERANCE * vmax)  # one BF16 ulp (truncated)
+        assert ((out.double() - ref).abs() <= tol).all(), mode
+    print("dispatcher kernel ok")
+    """
+)
+
+
+def test_a_plain_fp8_decode_call_runs_the_kernel_not_fa3():
+    result = run_under_interpreter(KERNEL_THROUGH_DISPATCHER)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "dispatcher kernel ok" in result.stdout
+
+
+def _fa3_backend_source() -> ast.Module:
+    (root,) = importlib.util.find_spec("sglang").submodule_search_locations
+    path = pathlib.Path(root) / "srt" / "layers" / "attention" / "flashattention_backend.py"
+    return ast.parse(path.read_text())
+
+
+def test_fa3_forward_decode_calls_the_module_global_the_hook_replaces():
+    """On the installed release: forward_decode calls the bare module-level ``flash_attn_with_kvcache`` (not
+    ``self.flash_attn_with_kvcache``, nor a local rebinding), with keywords the dispatcher knows, and the descales."""
+    tree = _fa3_backend_source()
+    name = "flash_attn_with_kvcache"
+    assert any(isinstance(node, ast.ImportFrom) and any(a.name == name and a.asname is None for a in node.names)
+               for node in tree.body), "no module-level import of flash_attn_with_kvcache"
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FlashAttentionBackend"]
+    (decode,) = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward_decode"]
+    nodes = list(ast.walk(decode))
+    calls = [n for n in nodes if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name]
+    assert calls
+    assert not [n for n in nodes if isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load)]
+    assert not [n for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom)) and name in [a.asname or a.name
+                                                                                              for a in n.names]]
+    assert not [n for n in nodes if isinstance(n, ast.Attribute) and n.attr == name]
+    (main,) = [c for c in calls if "out" in [k.arg for k in c.keywords]]  # the MHA decode call (out=_fa_out)
+    explicit = {k.arg for k in main.keywords if k.arg is not None}
+    assert explicit <= sel._OPERANDS | set(sel._NEUTRAL), explicit - sel._OPERANDS - set(sel._NEUTRAL)
+    assert {"q", "k_cache", "v_cache", "page_table", "cache_seqlens", "max_seqlen_q", "softmax_scale"} <= explicit
+    if not {"k_descale", "v_descale"} <= explicit:  # 0.5.17 on: kwargs["k_descale"] = ..., passed as **kwargs
+        assert any(k.arg is None and isinstance(k.value, ast.Name) and k.value.id == "kwargs" for k in main.keywords)
+        stored = {n.slice.value for n in nodes if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store)
+                  and isinstance(n.value, ast.Name) and n.value.id == "kwargs" and isinstance(n.slice, ast.Constant)}
+        assert {"k_descale", "v_descale"} <= stored, stored
+
+
+@pytest.fixture
+def fa3_module(monkeypatch):
+    """A stand-in for sglang.srt.layers.attention.flashattention_backend (the real one needs CUDA to import): a
+    module-global flash_attn_with_kvcache and a class named FlashAttentionBackend defined there."""
+    module = types.ModuleType("fp8rl_test_fa3_backend")
+    module.flash_attn_with_kvcache = Recorder()
+    module.FlashAttentionBackend = type("FlashAttentionBackend", (), {"__module__": module.__name__})
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+def runner(backend, quantization="fp8_online_blockwise", kv_cache_dtype="fp8_e4m3"):
+    args = types.SimpleNamespace(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    return types.SimpleNamespace(server_args=args, attn_backend=backend)
+
+
+@pytest.mark.parametrize("mode", ["auto", "split_kv"])
+def test_install_wraps_the_fa3_function_once(fa3_module, mode):
+    set_options(decode_attention=mode)
+    original = fa3_module.flash_attn_with_kvcache
+    hybrid = type("HybridAttnBackend", (), {})()
+    hybrid.decode_backend = fa3_module.FlashAttentionBackend()
+    derived = type("FlashAttentionMultiStepBackend", (fa3_module.FlashAttentionBackend,), {})()
+    for backend in (fa3_module.FlashAttentionBackend(), hybrid, derived):
+        assert install_decode_attention(runner(backend)) == "installed"
+        installed = fa3_module.flash_attn_with_kvcache
+        assert installed is not original and sel.original_of(installed) is original
+    assert installed(**plain(softcap=30.0)) is original.results[-1] and len(original.calls) == 1
+
+
+@pytest.mark.parametrize("mode, args", [("fa3", {}), ("auto", dict(quantization=None)),
+                                        ("split_kv", dict(kv_cache_dtype="auto")),
+                                        ("split_kv", dict(kv_cache_dtype="fp8_e5m2"))])
+def test_install_leaves_other_servers_untouched(fa3_module, mode, args):
+    set_options(decode_attention=mode)
+    original = fa3_module.flash_attn_with_kvcache
+    assert install_decode_attention(runner(fa3_module.FlashAttentionBackend(), **args)) == "untouched"
+    assert fa3_module.flash_attn_with_kvcache is original
+
+
+def test_install_on_another_backend(fa3_module):
+    triton_backend = type("TritonAttnBackend", (), {})()
+    hybrid = type("HybridAttnBackend", (), {})()
+    hybrid.decode_backend = triton_backend
+    set_options(decode_attention="auto")
+    for backend in (triton_backend, hybrid):
+        assert install_decode_attention(runner(backend)) == "not fa3"
+    set_options(decode_attention="split_kv")
+    for backend in (triton_backend, hybrid):
+        with pytest.raises(ValueError, match="--fp8rl-decode-attention split_kv: .*TritonAttnBackend"):
+            install_decode_attention(runner(backend))
+
+
+def test_the_option():
+    assert parse_args(["--fp8rl-decode-attention", "fa3"]).decode_attention == "fa3"
+    assert parse_args([]).decode_attention == "auto" == Fp8rlOptions().decode_attention
+    with pytest.raises(ValueError, match="--fp8rl-decode-attention must be one of"):
+        Fp8rlOptions(decode_attention="x")
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()  # adds our group to SGLang's own parser
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m", "--fp8rl-decode-attention", "split_kv"])
+    assert options_from_namespace(args).decode_attention == "split_kv"
+    assert options_from_namespace(parser.parse_args(["--model-path", "m"])).decode_attention == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-path", "m", "--fp8rl-decode-attention", "flashinfer"])
