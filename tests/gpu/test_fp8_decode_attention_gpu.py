@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from decode_attention_case import ROW_TOLERANCE, paged_case, reference
+
 from sglang_fp8rl.kernels.fp8_decode_attention import fp8_decode_attention
 
 pytestmark = pytest.mark.gpu
