@@ -9,7 +9,8 @@ One module per patched SGLang component:
 * :mod:`.weight_updater`: every update entry point; :mod:`.distributed`: the trainer's broadcast; both decode their
   transport with :mod:`.transport` (which patches nothing) and run the update pipeline (weight_sync/pipeline.py);
 * :mod:`.kv_cache`: FP8 KV-cache scales set up, made graph-safe, calibrated at load and after complete updates; a
-  cache flush refused while requests ran, run when idle;
+  cache flush refused while requests ran, run when idle; :mod:`.attention` (called from its attention-backend hook):
+  FP8-KV decode calls of SGLang's FA3 backend sent to the split-KV kernel (``--fp8rl-decode-attention``);
 * :mod:`.sessions`: SGLang's weight-update sessions (0.5.21+) as the step's begin and end, and an explicit cache
   flush as the end of a step without a session (verl's);
 * :mod:`.memory`: SGLang's release and resume of GPU memory (``--enable-memory-saver``, verl's colocated mode):

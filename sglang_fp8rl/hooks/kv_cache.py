@@ -6,7 +6,8 @@ capture, calibrated after capture, and recalibrated after every complete weight 
   FlashInfer; torch-native on CPU), scale tensors on every attention layer, and the decode fold
   (kv_scales/decode_fold.py) where the backend passes Python-float scales to its decode kernels, before any graph is
   captured. Elsewhere ``auto`` falls back to static scales and an explicit ``calibrate`` is refused at start. The
-  scales in force then are the ones every calibration runs under.
+  scales in force then are the ones every calibration runs under. Then the FP8-KV decode attention
+  (:mod:`.attention`).
 * ``ModelRunner.init_cuda_graphs``: the load-time calibration (the pools are still empty); if it fails on any TP
   rank, the start fails on every rank.
 * ``MHATokenToKVPool.set_kv_buffer``: K/V saturated at +-448 after the division by their scales (an overflowing E4M3
