@@ -122,6 +122,28 @@ def test_mode_fa3_sends_every_call_to_fa3():
     assert dispatch(CASE["q"]) is fa3.results[-1] and len(fa3.calls) == 4
 
 
+def test_a_kernel_that_does_not_build_sends_this_call_and_every_later_one_to_fa3(monkeypatch, caplog):
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+
+    def unbuildable(kwargs):
+        tried.append(kwargs)
+        raise OutOfResources(232448, 101376, "shared memory")
+
+    monkeypatch.setattr(sel, "run_split_kv", unbuildable)
+    fa3 = Recorder()
+    dispatch = sel.dispatching(fa3, "split_kv")
+    kwargs = plain()
+    with caplog.at_level(logging.INFO, logger="sglang_fp8rl.kernels.attention_select"):
+        first, second = dispatch(**kwargs), dispatch(**kwargs)
+    assert (first, second) == tuple(fa3.results)  # both answered by FA3, from the same operands
+    assert all(call == ((), kwargs) for call in fa3.calls)
+    assert len(tried) == 1  # not tried again
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "does not build on this GPU: OutOfResources" in warnings[0].getMessage()
+
+
 def test_rewrapping_wraps_the_original_once():
     fa3 = Recorder()
     inner = sel.dispatching(fa3, "auto")

@@ -110,15 +110,29 @@ def dispatching(original: Callable, mode: str) -> Callable:
     """``original`` (FA3's ``flash_attn_with_kvcache``) with plain FP8 decode calls sent to the split-KV kernel."""
     original = original_of(original) or original  # a dispatcher is replaced, never wrapped
     logged: set[tuple[str, str]] = set()
+    unbuildable: list[str] = []  # the kernel failed to build here once: FA3 from then on
+
+    def decide(args: tuple, kwargs: dict) -> tuple[str, str]:
+        if args:
+            return FA3, "positional arguments"
+        if unbuildable:
+            return FA3, unbuildable[0]
+        return choose(mode, kwargs)
 
     def flash_attn_with_kvcache(*args: Any, **kwargs: Any) -> Any:
-        kernel, why = (FA3, "positional arguments") if args else choose(mode, kwargs)
+        kernel, why = decide(args, kwargs)
         if (kernel, why) not in logged:
             logged.add((kernel, why))
             logger.info("[fp8rl] decode attention: %s for %s calls (%s)", kernel,
                         "decode" if kernel == SPLIT_KV else "these", why)
         if kernel == SPLIT_KV:
-            return run_split_kv(kwargs)
+            from sglang_fp8rl.kernels.fp8_decode_attention import BUILD_ERRORS
+
+            try:
+                return run_split_kv(kwargs)
+            except BUILD_ERRORS as e:  # its outputs are unwritten: FA3 computes this call from the same operands
+                unbuildable.append(f"the split-KV kernel does not build on this GPU: {type(e).__name__}: {e}")
+                logger.warning("[fp8rl] decode attention: FA3 for every call from now on (%s)", unbuildable[0])
         return original(*args, **kwargs)
 
     setattr(flash_attn_with_kvcache, _MARK, original)

@@ -24,8 +24,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 MIN_BLOCK_H = 16  # the smallest MMA M: a GQA group of 4 query heads is padded to it
+# head dims it takes: 128 measured on H100 / H200, 64 on CPU only; 256 would double the K/V tiles in shared memory
+HEAD_DIMS = (64, 128)
 MAX_SPLITS = 64
 # the defaults, from a sweep on an H100 (docs/RESULTS.md sec. 23: BLOCK_N 32/64/128 x 4/8 warps x 2-4 stages x
 # splits): 128 tokens per step with 4 warps was the fastest at every cell measured
@@ -38,6 +42,9 @@ DEFAULT_STAGES = 3
 # same quotient (5 at batch 8: a second wave of 56 programs) was 1.28x slower than the best there
 RESIDENT_PER_SM = 2
 LOG2E = 1.4426950408889634
+# what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
+# caller may run another kernel instead; a kernel that compiled never raises these
+BUILD_ERRORS = (CompilationError, OutOfResources)
 
 
 @triton.jit
@@ -136,8 +143,8 @@ def cannot_run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
         return f"KV cache {k_cache.dtype} / {v_cache.dtype}, not float8_e4m3fn"
     if tuple(v_cache.shape) != tuple(k_cache.shape) or k_cache.shape[3] != dim:
         return f"K {tuple(k_cache.shape)} and V {tuple(v_cache.shape)} caches differ, or from q's head dim {dim}"
-    if dim not in (64, 128, 256):
-        return f"head dim {dim} (64, 128 or 256 only)"
+    if dim not in HEAD_DIMS:
+        return f"head dim {dim} (only {HEAD_DIMS})"
     if kv_heads == 0 or heads % kv_heads or heads // kv_heads > MIN_BLOCK_H * 4:
         return f"{heads} query heads over {kv_heads} KV heads"
     if tokens != cache_seqlens.shape[0] or page_table.shape[0] != tokens:
