@@ -31,8 +31,9 @@ MIN_BLOCK_H = 16  # the smallest MMA M: a GQA group of 4 query heads is padded t
 # head dims it takes: 128 measured on H100 / H200, 64 on CPU only; 256 would double the K/V tiles in shared memory
 HEAD_DIMS = (64, 128)
 MAX_SPLITS = 64
-# the defaults, from a sweep on an H100 (docs/RESULTS.md sec. 23: BLOCK_N 32/64/128 x 4/8 warps x 2-4 stages x
-# splits): 128 tokens per step with 4 warps was the fastest at every cell measured
+# the defaults, from two sweeps on H100s (docs/RESULTS.md sec. 23a): 128 tokens per step with 4 warps was the
+# fastest of BLOCK_N 32/64/128 x 4/8 warps x 2-4 stages at every cell of the first, and within 10 % of the best
+# configuration at every cell of the second (BLOCK_N 64/128 x 2-4 stages x 16 split counts)
 DEFAULT_BLOCK_N = 128
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 3
