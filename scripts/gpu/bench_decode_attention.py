@@ -12,7 +12,8 @@ to FA3 (a [1] tensor expanded to [batch, kv_heads]). Per cell (running batch x c
 Each kernel runs over several copies of the cache (one per "layer", so that a small cell does not live in L2),
 captured in one CUDA graph and replayed: microseconds per call, the bytes it must read (K + V of every context token,
 the query and the output) and the bandwidth that makes, against the device's copy bandwidth measured in the same
-run. Accuracy: each kernel's output against a float64 reference computed from the same E4M3 query and cache.
+run as the roofline measures it (scripts/decode_roofline.py: 1 GiB, read + write, the best of its timed loops).
+Accuracy: each kernel's output against a float64 reference computed from the same E4M3 query and cache.
 
   python scripts/gpu/bench_decode_attention.py --out /tmp/attn [--quick] [--deadline-s 400]
 """
@@ -28,7 +29,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/
+import _paths  # noqa: E402,F401  (scripts/gpu and the checkout on sys.path)
+from decode_roofline import copy_bandwidth  # noqa: E402  (the roofline's measurement: one definition for both reports)
+
 from sglang_fp8rl.kernels import fp8_decode_attention as FDA  # noqa: E402
 from sglang_fp8rl.kernels.gemm_select import measure  # noqa: E402
 
@@ -42,21 +46,6 @@ QUICK_SWEEP = {"block_n": (128,), "num_warps": (4,), "num_stages": (3,), "splits
 L2_DEFEAT_BYTES = 512 << 20  # the cache copies of a cell span at least this much
 MAX_COPIES = 36
 REPLAYS = 5
-
-
-def copy_bandwidth(dev: torch.device) -> float:
-    """Device-to-device copy bandwidth in GB/s (read + write), best of six 1 GiB copies."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    best = 0.0
-    for _ in range(6):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        best = max(best, 2 * a.numel() / (s.elapsed_time(e) * 1e6))
-    return best
 
 
 class Cell:
@@ -223,7 +212,10 @@ def main() -> int:
     t0 = time.time()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
-    bw = copy_bandwidth(dev)
+    copy = copy_bandwidth(1 << 30)
+    if "gbps" not in copy:
+        raise SystemExit(f"bench_decode_attention: no copy bandwidth to compare with: {copy['skipped']}")
+    bw = copy["gbps"]
     result = {"device": props.name, "sms": props.multi_processor_count, "copy_gbps": bw,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
               "cells": []}

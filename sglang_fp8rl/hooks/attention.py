@@ -13,7 +13,7 @@ import logging
 from typing import Any, Optional
 
 from sglang_fp8rl.compat.runtime import FA3_DECODE_FUNCTION, fa3_kernel_module
-from sglang_fp8rl.kernels.attention_select import FA3, SPLIT_KV, dispatching, original_of
+from sglang_fp8rl.kernels.attention_select import FA3, SPLIT_KV, dispatching
 from sglang_fp8rl.kv_scales.decode_fold import decode_backend
 from sglang_fp8rl.server_args import QUANTIZATION_NAME, get_options
 
@@ -51,8 +51,8 @@ def install_decode_attention(runner: Any) -> str:
                              "FlashAttention-3 (--attention-backend fa3, or --decode-attention-backend fa3)")
         logger.info("[fp8rl] decode attention: %s's own (the split-KV kernel replaces FlashAttention-3 only)", name)
         return "not fa3"
-    current = getattr(module, FA3_DECODE_FUNCTION)
-    setattr(module, FA3_DECODE_FUNCTION, dispatching(original_of(current) or current, mode))
+    # a dispatcher already there (a second install) is replaced, not wrapped: dispatching unwraps it
+    setattr(module, FA3_DECODE_FUNCTION, dispatching(getattr(module, FA3_DECODE_FUNCTION), mode))
     logger.info("[fp8rl] decode attention: plain FP8-KV decode calls of %s go to the split-KV kernel (%s)",
                 module.__name__, mode)
     return "installed"
