@@ -15,7 +15,8 @@ from sglang_fp8rl.kernels import fp8_decode_attention as FDA
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECORDED = {"h100": REPO / "docs/results/decode_attention_h100_2026-11-27.json",
-            "h200": REPO / "docs/results/decode_attention_h200_2026-11-27.json"}
+            "h200": REPO / "docs/results/decode_attention_h200_2026-11-27.json",
+            "h100_plan": REPO / "docs/results/decode_attention_plan_h100_2026-11-28.json"}  # budgets, ragged cells
 
 
 def bench():
@@ -34,32 +35,54 @@ def test_report_from_a_recorded_run(card):
     assert len(rows) == len(result["cells"])
     for row, cell in zip(rows, result["cells"]):
         fa3, ours = cell["kernels"]["fa3_fp8"]["us"], cell["kernels"]["split_kv"]["us"]
-        assert row.startswith(f"| {cell['batch']} x {cell['context']} |")
+        assert row.startswith(f"| {bench().cell_label(cell)} |")
         assert f"| {fa3 / ours:.2f}x |" in row  # FA3 FP8 / split-KV, from the same run
     assert result["device"] in text.splitlines()[0]
 
 
-def test_the_kernels_split_rule_was_among_the_best_measured_on_the_h100():
-    """The default split count (num_splits) against the sweep's splits at the default tile, stages and warps: within
-    10 % of the best split count measured at every cell of the H100 sweep that reached its splits (the first cell's
-    sweep was cut by its time share)."""
+def test_the_kernels_plan_at_equal_lengths_was_among_the_best_measured_on_the_h100():
+    """At equal lengths the plan (plan_splits over work_budget) gives each sequence the splits of the recorded H100
+    sweep (which swept split counts, before the plan) that were within 10 % of the best at the default tile, stages
+    and warps, at every cell whose sweep reached them (the first cell's sweep was cut by its time share)."""
     result = json.loads(RECORDED["h100"].read_text())
+    budget = FDA.work_budget(bench().KV_HEADS, result["sms"])
     checked = 0
     for cell in result["cells"]:
         swept = {s["splits"]: s["us"] for s in cell["sweep"] if "us" in s and s["block_n"] == FDA.DEFAULT_BLOCK_N
                  and s["num_stages"] == FDA.DEFAULT_STAGES and s["num_warps"] == FDA.DEFAULT_WARPS}
         if not swept:
             continue
-        rule = FDA.num_splits(cell["batch"], bench().KV_HEADS, result["sms"])
+        plan = set(FDA.plan_splits([cell["context"]] * cell["batch"], budget))
+        assert len(plan) == 1, plan
+        rule = plan.pop()
         assert rule in swept, (cell["batch"], cell["context"], rule)
         assert swept[rule] <= 1.10 * min(swept.values()), (cell["batch"], cell["context"], rule, swept)
         checked += 1
     assert checked >= len(result["cells"]) - 1
 
 
+def test_sweep_variants_and_none_without_a_sweep():
+    assert bench().variants({}) == []  # --no-sweep: no variant (an empty product is one empty variant)
+    quick = bench().variants(bench().QUICK_SWEEP)
+    assert len(quick) == 3 and {v["per_sm"] for v in quick} == {1, 2, 4}
+    assert all(set(v) == {"block_n", "num_warps", "num_stages", "per_sm"} for v in quick)
+
+
+def test_ragged_cells_and_their_labels():
+    lengths = bench().ragged_lengths(32, 4096)
+    assert lengths == bench().ragged_lengths(32, 4096) and len(lengths) == 32  # seeded: every kernel the same draw
+    assert 64 <= min(lengths) and max(lengths) <= 8 * 4096 and max(lengths) > 3 * 4096  # a long tail
+    assert abs(sum(lengths) / 32 - 4096) < 0.05 * 4096
+    assert bench().cell_label({"batch": 8, "context": 4096, "ragged": True, "max_context": 9000}) == \
+        "8 x 4096r (max 9000)"
+    assert bench().cell_label({"batch": 8, "context": 4096}) == "8 x 4096"
+    assert bench().work_of({"budget": 33, "splits": 11}) == "budget 33 (11 splits at most)"
+    assert bench().work_of({"splits": 4}) == "4 splits"
+
+
 def test_command_line():
     proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu/bench_decode_attention.py"), "--help"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    for flag in ("--out", "--quick", "--deadline-s", "--no-sweep"):
+    for flag in ("--out", "--quick", "--deadline-s", "--no-sweep", "--cells"):
         assert flag in proc.stdout

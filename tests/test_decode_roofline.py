@@ -18,6 +18,7 @@ import make_models as MM
 import pytest
 import roofline_model as RM
 import roofline_report as RP
+from suite_stage import stage_command_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -440,19 +441,8 @@ def test_main_runs_configs_within_the_deadline(tmp_path, monkeypatch):
 
 
 def test_suite_stage_runs_the_script_with_a_deadline_and_its_args(tmp_path):
-    import subprocess
-
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$CALLS"\n')
-    (fake / "python3").chmod(0o755)
-    calls = tmp_path / "calls"
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "FP8RL_REPO": ROOT, "CALLS": str(calls),
-           "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
-           "ROOFLINE_ARGS": "--configs fp8_online_blockwise_kv --steps 16"}
-    subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "run_gpu_suite.sh"), "roofline"], env=env, cwd=ROOT,
-                   check=True, capture_output=True, timeout=120)
-    (line,) = [ln for ln in calls.read_text().splitlines() if "decode_roofline.py" in ln]
+    (line,) = stage_command_lines(tmp_path, "roofline", "decode_roofline.py",
+                                  ROOFLINE_ARGS="--configs fp8_online_blockwise_kv --steps 16")
     a = DR.parse_args(line.split("decode_roofline.py", 1)[1].split())
     assert a.out == f"{tmp_path}/work/roofline" and a.model_dir == f"{tmp_path}/work/models"
     assert 400 < a.deadline_s < 560 and a.configs == ["fp8_online_blockwise_kv"] and a.steps == 16

@@ -7,7 +7,10 @@ to FA3 (a [1] tensor expanded to [batch, kv_heads]). Per cell (running batch x c
   fa3_bf16    FA3 on a BF16 cache (SGLang's BF16 decode), with SGLang's precomputed scheduler metadata
   fa3_fp8     FA3 on the FP8 cache, the query cast to E4M3 (SGLang's FP8-KV decode today)
   split_kv    sglang_fp8rl.kernels.fp8_decode_attention with its defaults, and each variant of the sweep
-              (BLOCK_N x warps x stages x splits)
+              (BLOCK_N x warps x stages x work budget: the programs per KV head sharing the step's tiles)
+
+A cell's contexts are all equal, or ragged ("r" cells): lognormal (sigma 1, as an RL batch's contexts spread) with
+the cell's context as their mean, each between 64 tokens and 8x the mean, the same draw for every kernel.
 
 Each kernel runs over several copies of the cache (one per "layer", so that a small cell does not live in L2),
 captured in one CUDA graph and replayed: microseconds per call, the bytes it must read (K + V of every context token,
@@ -39,10 +42,11 @@ from sglang_fp8rl.kernels.gemm_select import measure  # noqa: E402
 HEADS, KV_HEADS, DIM = 32, 8, 128
 CELLS = [(1, 4096), (1, 12288), (8, 4096), (8, 12288), (32, 4096), (32, 12288), (128, 1024), (128, 4096),
          (384, 1024)]
+RAGGED_CELLS = [(8, 4096), (32, 4096), (64, 2048), (128, 1024)]
 QUICK_CELLS = [(1, 4096), (8, 4096), (32, 4096), (128, 1024)]
-SWEEP = {"block_n": (64, 128), "num_warps": (4,), "num_stages": (2, 3, 4),
-         "splits": (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64)}
-QUICK_SWEEP = {"block_n": (128,), "num_warps": (4,), "num_stages": (3,), "splits": (1, 2, 4, 8, 16, 33)}
+SWEEP = {"block_n": (64, 128), "num_warps": (4,), "num_stages": (2, 3, 4), "per_sm": (1, 2, 3, 4, 6)}
+QUICK_SWEEP = {"block_n": (128,), "num_warps": (4,), "num_stages": (3,), "per_sm": (1, 2, 4)}
+RAGGED_SIGMA = 1.0
 L2_DEFEAT_BYTES = 512 << 20  # the cache copies of a cell span at least this much
 MAX_COPIES = 36
 REPLAYS = 5
@@ -51,9 +55,10 @@ REPLAYS = 5
 class Cell:
     """The caches, page table and queries of one (batch, context) cell, in ``copies`` layer copies."""
 
-    def __init__(self, batch: int, context: int, dev: torch.device, bf16: bool):
-        self.batch, self.context = batch, context
-        tokens = batch * context
+    def __init__(self, batch: int, context: int, dev: torch.device, bf16: bool, ragged: bool = False):
+        self.batch, self.context, self.ragged = batch, context, ragged
+        self.lengths = ragged_lengths(batch, context) if ragged else [context] * batch
+        tokens = sum(self.lengths)
         layer_bytes = tokens * KV_HEADS * DIM * 2
         self.copies = max(2, min(MAX_COPIES, math.ceil(L2_DEFEAT_BYTES / layer_bytes)))
         slots = tokens + 1  # slot 0 is SGLang's padding slot
@@ -64,10 +69,16 @@ class Cell:
                   for _ in range(self.copies)]
         self.k_bf16 = [k.to(torch.bfloat16) for k in self.k] if bf16 else None
         self.v_bf16 = [v.to(torch.bfloat16) for v in self.v] if bf16 else None
-        order = torch.randperm(batch, generator=torch.Generator().manual_seed(context))
-        starts = 1 + order * context
-        self.page_table = (starts[:, None] + torch.arange(context)[None, :]).to(torch.int32).to(dev)
-        self.seqlens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+        order = torch.randperm(batch, generator=torch.Generator().manual_seed(context)).tolist()
+        offsets = [0] * batch  # each sequence's slots contiguous, the sequences in shuffled order
+        for i, seq in enumerate(order):
+            offsets[seq] = 1 + sum(self.lengths[s] for s in order[:i])
+        width = max(self.lengths)
+        cols = torch.arange(width)[None, :]
+        table = torch.tensor(offsets)[:, None] + cols
+        table = torch.where(cols < torch.tensor(self.lengths)[:, None], table, 0)  # past a sequence's end: slot 0
+        self.page_table = table.to(torch.int32).to(dev)
+        self.seqlens = torch.tensor(self.lengths, dtype=torch.int32, device=dev)
         self.cu_q = torch.arange(batch + 1, dtype=torch.int32, device=dev)
         self.q = torch.randn(batch, HEADS, DIM, device=dev, generator=gen).to(torch.bfloat16)
         self.q8 = self.q.to(torch.float8_e4m3fn)
@@ -75,8 +86,12 @@ class Cell:
         self.v_scale = torch.tensor([1.25], device=dev)
         self.scale = DIM ** -0.5
 
+    @property
+    def label(self) -> str:
+        return f"{self.batch} x {self.context}{'r' if self.ragged else ''}"
+
     def read_bytes(self, kv_bytes_per_elem: int, q_bytes: int) -> int:
-        kv = 2 * self.batch * self.context * KV_HEADS * DIM * kv_bytes_per_elem
+        kv = 2 * sum(self.lengths) * KV_HEADS * DIM * kv_bytes_per_elem
         return kv + self.batch * HEADS * DIM * (q_bytes + 2)
 
     def reference(self, seqs: int = 2) -> torch.Tensor:
@@ -84,7 +99,7 @@ class Cell:
         group = HEADS // KV_HEADS
         out = []
         for b in range(min(seqs, self.batch)):
-            rows = self.page_table[b, : self.context].long()
+            rows = self.page_table[b, : self.lengths[b]].long()
             k = self.k[0][rows, 0].float().double() * self.k_scale.double()
             v = self.v[0][rows, 0].float().double() * self.v_scale.double()
             q = self.q8[b].float().double()
@@ -95,11 +110,18 @@ class Cell:
         return torch.stack(out)
 
 
+def ragged_lengths(batch: int, mean: int) -> list[int]:
+    """``batch`` lognormal contexts of mean ``mean`` (sigma RAGGED_SIGMA), clipped to [64, 8 x mean], seeded."""
+    gen = torch.Generator().manual_seed(batch * 7 + mean)
+    draw = torch.exp(torch.randn(batch, generator=gen, dtype=torch.float64) * RAGGED_SIGMA)
+    return [int(x) for x in (draw / draw.mean() * mean).clamp(64, 8 * mean).round().tolist()]
+
+
 def fa3_calls(cell: Cell, fp8: bool):
     from sgl_kernel.flash_attn import flash_attn_with_kvcache, get_scheduler_metadata
 
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    meta = get_scheduler_metadata(batch_size=cell.batch, max_seqlen_q=1, max_seqlen_k=cell.context,
+    meta = get_scheduler_metadata(batch_size=cell.batch, max_seqlen_q=1, max_seqlen_k=max(cell.lengths),
                                   num_heads=HEADS, num_heads_k=KV_HEADS, headdim=DIM, cache_seqlens=cell.seqlens,
                                   qkv_dtype=dtype, cu_seqlens_q=cell.cu_q, page_size=1, causal=True,
                                   has_softcap=False, num_splits=0)
@@ -118,13 +140,15 @@ def fa3_calls(cell: Cell, fp8: bool):
 
 
 def split_kv_call(cell: Cell, cfg: dict, sms: int):
-    splits = cfg.get("splits") or FDA.num_splits(cell.batch, KV_HEADS, sms)
+    """The kernel's call on a cell with ``cfg``'s variant, its work budget and its plan's largest split count."""
+    budget = FDA.work_budget(KV_HEADS, sms, cfg.get("per_sm", FDA.RESIDENT_PER_SM))
     kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages") if k in cfg}
+    splits = max(FDA.plan_splits(cell.lengths, budget, kw.get("block_n", FDA.DEFAULT_BLOCK_N)))
 
     def call(i: int) -> torch.Tensor:
         return FDA.fp8_decode_attention(cell.q8, cell.k[i], cell.v[i], cell.page_table, cell.seqlens, cell.scale,
-                                        cell.k_scale, cell.v_scale, splits=splits, **kw)
-    return call, splits
+                                        cell.k_scale, cell.v_scale, budget=budget, **kw)
+    return call, {"budget": budget, "splits": splits}
 
 
 def time_graph(call, copies: int) -> float:
@@ -139,9 +163,18 @@ def error_vs(ref: torch.Tensor, out: torch.Tensor) -> dict:
             "ref_max": float(ref.abs().max())}
 
 
+def variants(sweep: dict) -> list[dict]:
+    """Every combination of the sweep's values, as keyword dicts; none for an empty sweep (--no-sweep)."""
+    if not sweep:
+        return []
+    keys = list(sweep)
+    return [dict(zip(keys, values)) for values in itertools.product(*(sweep[k] for k in keys))]
+
+
 def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float) -> dict:
     ref = cell.reference()
-    row = {"batch": cell.batch, "context": cell.context, "copies": cell.copies, "kernels": {}, "sweep": []}
+    row = {"batch": cell.batch, "context": cell.context, "ragged": cell.ragged, "max_context": max(cell.lengths),
+           "copies": cell.copies, "kernels": {}, "sweep": []}
     for name, fp8 in (("fa3_bf16", False), ("fa3_fp8", True)):
         try:
             call = fa3_calls(cell, fp8)
@@ -153,26 +186,38 @@ def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float) -> d
         except Exception as e:  # FA3 missing or refusing a shape: recorded, the sweep goes on
             row["kernels"][name] = {"error_text": f"{type(e).__name__}: {e}"[:300]}
     nbytes = cell.read_bytes(1, 1)
-    default_call, splits = split_kv_call(cell, {}, sms)
+    default_call, plan = split_kv_call(cell, {}, sms)
     us = time_graph(default_call, cell.copies)
-    row["kernels"]["split_kv"] = {"us": us, "splits": splits, "gbps": nbytes / us / 1e3,
+    row["kernels"]["split_kv"] = {"us": us, **plan, "gbps": nbytes / us / 1e3,
                                   "of_copy_bw": nbytes / us / 1e3 / bw, "error": error_vs(ref, default_call(0))}
-    keys = list(sweep)
-    for values in itertools.product(*(sweep[k] for k in keys)):
+    for cfg in variants(sweep):
         if time.time() > deadline:
             row["sweep_cut"] = True
             break
-        cfg = dict(zip(keys, values))
         try:
-            call, splits = split_kv_call(cell, cfg, sms)
+            call, plan = split_kv_call(cell, cfg, sms)
             us = time_graph(call, cell.copies)
-            row["sweep"].append({**cfg, "splits": splits, "us": us, "gbps": nbytes / us / 1e3})
+            row["sweep"].append({**cfg, **plan, "us": us, "gbps": nbytes / us / 1e3})
         except Exception as e:  # a config Triton cannot compile (shared memory): recorded
             row["sweep"].append({**cfg, "error_text": f"{type(e).__name__}: {e}"[:200]})
     ok = [s for s in row["sweep"] if "us" in s]
     if ok:
         row["best"] = min(ok, key=lambda s: s["us"])
     return row
+
+
+def cell_label(row: dict) -> str:
+    """'8 x 4096', or '8 x 4096r (max 21337)' for ragged contexts of mean 4096."""
+    if not row.get("ragged"):
+        return f"{row['batch']} x {row['context']}"
+    return f"{row['batch']} x {row['context']}r (max {row['max_context']})"
+
+
+def work_of(variant: dict) -> str:
+    """How a variant shared the work: its budget (programs per KV head) or, in runs before the plan, its splits."""
+    if "budget" in variant:
+        return f"budget {variant['budget']} ({variant['splits']} splits at most)"
+    return f"{variant['splits']} splits"
 
 
 def report(result: dict) -> str:
@@ -191,12 +236,11 @@ def report(result: dict) -> str:
             return f"{d['us']:.1f} ({100 * d['of_copy_bw']:.0f} %)" if "us" in d else "-"
         best = row.get("best")
         best_txt = f"{best['us']:.1f} ({100 * best['gbps'] / bw:.0f} %)" if best else "-"
-        cfg = (f"n{best['block_n']} w{best['num_warps']} s{best['num_stages']}, {best['splits']} splits"
-               if best else "-")
+        cfg = f"n{best['block_n']} w{best['num_warps']} s{best['num_stages']}, {work_of(best)}" if best else "-"
         ratio = (f"{k['fa3_fp8']['us'] / k['split_kv']['us']:.2f}x" if "us" in k.get("fa3_fp8", {}) else "-")
         errs = "/".join(f"{k[n]['error']['max_abs']:.2e}" if "error" in k.get(n, {}) else "-"
                         for n in ("fa3_fp8", "split_kv"))
-        lines.append(f"| {row['batch']} x {row['context']} | {cellfmt('fa3_bf16')} | {cellfmt('fa3_fp8')} | "
+        lines.append(f"| {cell_label(row)} | {cellfmt('fa3_bf16')} | {cellfmt('fa3_fp8')} | "
                      f"{cellfmt('split_kv')} | {best_txt} | {cfg} | {ratio} | {errs} |")
     return "\n".join(lines) + "\n"
 
@@ -207,6 +251,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="four cells and a small sweep")
     p.add_argument("--deadline-s", type=float, default=400.0, help="stop sweeping after this many seconds")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--cells", choices=("all", "equal", "ragged"), default="all",
+                   help="equal contexts, ragged ones (lognormal), or both (default)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -224,11 +270,12 @@ def main() -> int:
         result["triton"] = triton.__version__
     except ImportError:
         pass
-    cells = QUICK_CELLS if args.quick else CELLS
+    cells = [(b, c, False) for b, c in (QUICK_CELLS if args.quick else CELLS) if args.cells != "ragged"]
+    cells += [(b, c, True) for b, c in RAGGED_CELLS if args.cells != "equal"]
     sweep = {} if args.no_sweep else (QUICK_SWEEP if args.quick else SWEEP)
-    for i, (batch, context) in enumerate(cells):
+    for i, (batch, context, ragged) in enumerate(cells):
         cell_deadline = t0 + args.deadline_s * (i + 1) / len(cells)
-        cell = Cell(batch, context, dev, bf16=True)
+        cell = Cell(batch, context, dev, bf16=True, ragged=ragged)
         result["cells"].append(run_cell(cell, sweep, props.multi_processor_count, bw, cell_deadline))
         del cell
         torch.cuda.empty_cache()

@@ -83,6 +83,9 @@
 #             batches without CUDA graph, ratios vs the faster of bf16 / bf16_graphs512; RL_ROLLOUT_ARGS (RL_ARGS when
 #             unset), e.g. "--configs bf16 fp8 fp8_kv", "--scale full", or "--scale long --configs bf16 bf16_graphs512
 #             fp8 fp8_kv --gpus 0 1 2 3" (longer prompts, output cap 16384; one config per GPU)  (~7-9 min: own call)
+#   server_step  scripts/gpu/profile_server_step.py: bf16 then fp8_kv on the stock server, 8 requests x 4k random ids
+#             decoding, SGLang's /start_profile over 30 steps: step wall vs GPU busy, GPU idle gaps, GPU time by group,
+#             top kernels and host ops; SERVER_STEP_ARGS e.g. "--configs fp8"   (estimated ~4-6 min, not yet measured)
 # Expected times are estimates from shared/gpu/README.md's measurements (server import 24-34 s, bench_one_batch
 # 40-110 s per config), not measured with these scripts.
 #
@@ -103,7 +106,7 @@
 # stdout ends with the summary (stage table + each stage's own table).
 # Env: OUT, WORK, DEADLINE (s from start; 570), TESTS, T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
 #      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, KV_ARGS, KV_FI_ARGS, KV_ACC_ARGS, SERVER_ARGS, UPDATE_ARGS, GEMM_ARGS,
-#      STARTUP_ARGS, DEMO_ARGS, RL_ARGS, RL_ROLLOUT_ARGS, ROOFLINE_ARGS, COLOCATED_ARGS, BROADCAST_ARGS
+#      STARTUP_ARGS, DEMO_ARGS, RL_ARGS, RL_ROLLOUT_ARGS, ROOFLINE_ARGS, COLOCATED_ARGS, BROADCAST_ARGS, SERVER_STEP_ARGS
 #      (extra args per script),
 #      UPDATE_SCRIPT.
 set -u
@@ -264,6 +267,9 @@ for st in "$@"; do
     rl_rollout)  # RL-shaped rollout through the stock server; RL_ROLLOUT_ARGS, or RL_ARGS when that is unset
       l=$(left); run_stage rl_rollout 200 570 $PY scripts/bench_rl_rollout.py --out "$WORK/rl_rollout" \
         --model-dir "$MODELS" --scale short --deadline-s $(( l - 25 )) ${RL_ROLLOUT_ARGS-${RL_ARGS:-}} ;;
+    server_step)  # where a served decode step's time goes: GPU idle between steps vs GPU work beyond the roofline's
+      l=$(left); run_stage server_step 200 570 $PY scripts/gpu/profile_server_step.py --out "$WORK/server_step" \
+        --model-dir "$MODELS" --deadline-s $(( l - 25 )) ${SERVER_STEP_ARGS:-} ;;
     *) say "unknown stage $st"; record "$st" unknown 0 "" ;;
   esac
 done
@@ -293,6 +299,7 @@ SUM=$WORK/suite_summary_$STAMP.md
       startup) [ -f "$WORK/startup/summary.md" ] && { echo; cat "$WORK/startup/summary.md"; } ;;
       rl) [ -f "$WORK/rl/summary.md" ] && { echo; cat "$WORK/rl/summary.md"; } ;;
       rl_rollout) [ -f "$WORK/rl_rollout/summary.md" ] && { echo; cat "$WORK/rl_rollout/summary.md"; } ;;
+      server_step) [ -f "$WORK/server_step/profile_server_step.md" ] && { echo; cat "$WORK/server_step/profile_server_step.md"; } ;;
       roofline) [ -f "$WORK/roofline/roofline.md" ] && { echo; cat "$WORK/roofline/roofline.md"; } ;;
       demo) [ -f "$LOGS/demo.log" ] && { echo; echo "## demo"; grep -E "^\[demo\] .*(healthy|FAILED)" "$LOGS/demo.log"
                 sed -n '/^== \(scheme summary\|server start-up\)/,$p' "$LOGS/demo.log" | cut -c1-250; } ;;
@@ -312,7 +319,8 @@ for pair in rollout/results.json:rollout_results.json accuracy/accuracy.json:acc
             broadcast/check_broadcast.json:check_broadcast.json rl_rollout/results.json:rl_rollout_results.json \
             rl_rollout/completion.png:rl_rollout.png rl_rollout/answers.json:rl_rollout_answers.json \
             tail/results.json:tail_results.json tail/profile_top_kernels.txt:tail_profile.txt \
-            eager/results.json:eager_results.json roofline/roofline.json:roofline.json roofline/roofline.md:roofline.md; do
+            eager/results.json:eager_results.json roofline/roofline.json:roofline.json roofline/roofline.md:roofline.md \
+            server_step/profile_server_step.json:profile_server_step.json; do
   src=$WORK/${pair%%:*}
   if [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && [ "$NCOPY" -lt 6 ]; then  # $OUT returns at most 8 files
     cp "$src" "$OUT/${pair##*:}" && NCOPY=$(( NCOPY + 1 ))

@@ -94,19 +94,19 @@ def dump_stacks(proc: Any, settle_s: float = 5.0) -> int:
     return len(pids)
 
 
-def stop(proc: Any) -> None:
-    """Terminate a server's process group (TP ranks included); SIGKILL what is left after 60 s. A server of several
-    launcher processes (scale_out.Server: two 'nodes' on this host) is stopped node by node."""
+def stop(proc: Any, grace_s: float = 60.0) -> None:
+    """Terminate a server's process group (TP ranks included); SIGKILL what is left after ``grace_s``. A server of
+    several launcher processes (scale_out.Server: two 'nodes' on this host) is stopped node by node."""
     if proc is None:
         return
     for node in getattr(proc, "procs", None) or [proc]:
-        _stop_one(node)
+        _stop_one(node, grace_s)
 
 
-def _stop_one(proc: subprocess.Popen) -> None:
+def _stop_one(proc: subprocess.Popen, grace_s: float) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        proc.wait(grace_s)
     except subprocess.TimeoutExpired:
         pass
     except ProcessLookupError:
@@ -115,7 +115,10 @@ def _stop_one(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # ranks that outlived the launcher
     except ProcessLookupError:
         pass
-    proc.wait(30)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:  # a process stuck in the kernel (a GPU reset): leave it, say so
+        print(f"[server_io] server {proc.pid} still there 30 s after SIGKILL", flush=True)
 
 
 def flush_cache(port: int, wait_s: float = 60) -> None:

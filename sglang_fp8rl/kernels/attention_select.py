@@ -22,10 +22,11 @@ FA3 = "fa3"
 SPLIT_KV = "split_kv"
 MODES = ("auto", FA3, SPLIT_KV)  # --fp8rl-decode-attention
 # auto takes the split-KV kernel up to this many sequences in a decode batch (the captured batch size), FA3 above.
-# Measured (docs/RESULTS.md sec. 23): in the longer-tailed RL rollout its decode steps at 1-8 running were faster
-# than FA3's (H200: 5.9 / 7.0 ms against 7.5 / 7.6 ms) and slower from 17 on (12.5 against 11.5 ms at 17-32): its
-# splits are fixed per captured batch (one split per sequence from batch 32), so with ragged contexts the longest
-# sequence's programs set the step, where FA3 sizes its splits from each step's longest context.
+# Measured (docs/RESULTS.md sec. 23, 24): in the longer-tailed RL rollout its decode steps at 3-8 running were faster
+# than FA3's (H100, work planned from the lengths: 6.98 / 8.08 ms against 8.60 / 8.67 ms) and slower from 33 on
+# (17.19 against 16.11 ms at 33-64, 0.92-0.94x up to 256): at ragged contexts over many sequences its programs are
+# short (a few tiles each), and each pays a start the programs of long contexts amortize (kernel alone, 128 ragged
+# contexts of mean 1k: 0.69-0.84x FA3; 128 equal ones: 1.01x).
 AUTO_MAX_BATCH = 8
 _MARK = "_fp8rl_decode_attention"
 

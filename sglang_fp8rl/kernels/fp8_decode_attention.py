@@ -11,9 +11,12 @@ TB/s (docs/RESULTS.md sec. 21a), so half the bytes bought 1.1-1.3x. This kernel 
 
 * one program per (KV split, KV head, sequence) reads its slice of the cache once for all the query heads of the
   group (GQA), as ``BLOCK_N`` gathered rows of K and V per step (any page size; page size 1 is SGLang's default);
-* the splits are fixed per batch size (``num_splits``), not per context, so a CUDA graph captured at one batch size
-  replays at any context: each split takes an equal share of the sequence's tiles at run time;
-* a second launch merges the splits by their log-sum-exp, in split order (deterministic).
+* the work is planned at run time from the step's lengths (``_plan``, in every program of both launches): each
+  sequence gets splits in proportion to its tiles, so that every program reads about the same number of tiles
+  (the step's tiles over ``work_budget``, the programs one wave holds per KV head); a long sequence among short ones
+  is read by many programs, not one that the whole step waits for. The grid is fixed per batch size
+  (``grid_programs``), so a CUDA graph captured at one context replays at any lengths;
+* a second launch merges each sequence's splits by their log-sum-exp, in split order (deterministic).
 
 K, V and the query are widened to FP16 in registers (E4M3 -> FP16 is exact); the scores and the weighted sum use FP16
 MMAs with float32 accumulation, P rounded to FP16 (FA3's FP8 path rounds it to E4M3).
@@ -30,22 +33,50 @@ from triton.runtime.errors import OutOfResources
 MIN_BLOCK_H = 16  # the smallest MMA M: a GQA group of 4 query heads is padded to it
 # head dims it takes: 128 measured on H100 / H200, 64 on CPU only; 256 would double the K/V tiles in shared memory
 HEAD_DIMS = (64, 128)
-MAX_SPLITS = 64
+MAX_SPLITS = 64  # splits of one sequence at most: the merge reads this many partial results per row
 # the defaults, from two sweeps on H100s (docs/RESULTS.md sec. 23a): 128 tokens per step with 4 warps was the
 # fastest of BLOCK_N 32/64/128 x 4/8 warps x 2-4 stages at every cell of the first, and within 10 % of the best
 # configuration at every cell of the second (BLOCK_N 64/128 x 2-4 stages x 16 split counts)
 DEFAULT_BLOCK_N = 128
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 3
-# programs of the default configuration an SM holds at once (their K and V tiles in flight, 32 KB a stage, fill most
-# of its shared memory): the splits fill one wave of them and never start a second, partly empty one. On the H100
-# sweep, the splits of this rule (33 at batch 1, 1 from batch 32 on) were the best measured, and the ceiling of the
-# same quotient (5 at batch 8: a second wave of 56 programs) was 1.28x slower than the best there
+# programs per SM in the work budget (one wave): chosen by measurement, not derived from the SM's resources (the
+# default configuration, compiled for sm90 by Triton 3.7, takes 20 KB of shared memory at 2-4 stages: its K/V
+# gathers are not staged in shared memory). On the H100 sweep at equal lengths, the splits this budget gives (32 at
+# batch 1, 1 from batch 32 on) were the best measured, and the ceiling of the same quotient (5 at batch 8: a second
+# wave of 56 programs) was 1.28x slower than the best there
 RESIDENT_PER_SM = 2
+# when the splits of ragged lengths do not fit one wave at about the even share of tiles per program, the plan takes
+# programs this many times smaller over several waves: in the H100 sweep of ragged batches (docs/RESULTS.md sec. 24b)
+# three times the one-wave budget was the fastest budget tried at 32-128 sequences, 1.18-1.22x faster than one wave's
+FINE = 3
 LOG2E = 1.4426950408889634
 # what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
 # caller may run another kernel instead; a kernel that compiled never raises these
 BUILD_ERRORS = (CompilationError, OutOfResources)
+
+
+@triton.jit
+def _plan(seqlens_ptr, batch, budget, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+          FINE: tl.constexpr):
+    """Per sequence: its tiles, its splits and the end of its run of programs (cumulative splits); see plan_splits."""
+    offs_b = tl.arange(0, BLOCK_B)
+    in_batch = offs_b < batch
+    tiles = tl.cdiv(tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0), BLOCK_N)
+    even = tl.maximum(tl.cdiv(tl.sum(tiles, 0), budget), 1)  # tiles per program if they divided evenly
+    # the fewest tiles per program with which every sequence's splits fit one wave (a binary search; none fits when
+    # the batch alone fills the wave)
+    lo = even
+    hi = tl.where(batch < budget, tl.maximum(even, tl.max(tiles, 0)), even)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        fits = tl.sum(tl.where(in_batch, tl.maximum(tl.cdiv(tiles, mid), 1), 0), 0) <= budget
+        hi = tl.where(fits, mid, hi)
+        lo = tl.where(fits, lo, mid + 1)
+    # one wave if it costs at most 4/3 of the even share, else FINE times more, smaller programs over several waves
+    per_program = tl.where(3 * lo <= 4 * even, lo, tl.maximum(tl.cdiv(even, FINE), 1))
+    splits = tl.where(in_batch, tl.minimum(tl.maximum(tl.cdiv(tiles, per_program), 1), MAX_SPLITS), 0)
+    return offs_b, tiles, splits, tl.cumsum(splits, 0)
 
 
 @triton.jit
@@ -55,15 +86,22 @@ def _decode_attn_split_kernel(
     stride_k_page, stride_k_off, stride_k_head,
     stride_v_page, stride_v_off, stride_v_head,
     stride_pt, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h,
-    scale_log2, num_heads, num_splits,
+    scale_log2, num_heads, batch, budget,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
 ):
-    split = tl.program_id(0)
+    program = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
+    offs_b, tiles, splits, ends = _plan(seqlens_ptr, batch, budget, BLOCK_B, BLOCK_N, MAX_SPLITS, FINE)
+    seq = tl.sum((ends <= program).to(tl.int32), 0)  # the sequence whose run of programs holds this one
+    if seq >= batch:
+        return  # the grid holds the most programs a plan can need; this one has no work in this step's plan
+    mine = offs_b == seq
+    my_splits = tl.sum(tl.where(mine, splits, 0), 0)
+    split = program - (tl.sum(tl.where(mine, ends, 0), 0) - my_splits)
+    tiles_per_split = tl.cdiv(tl.sum(tl.where(mine, tiles, 0), 0), my_splits)
+    seq = seq.to(tl.int64)
     seqlen = tl.load(seqlens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seqlen)
 
@@ -100,36 +138,67 @@ def _decode_attn_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
         m_i = m_new
 
-    filled = l_i > 0.0  # an empty split (a short sequence) has no tile
+    filled = l_i > 0.0  # an empty split (a sequence of length 0) has no tile
     o = acc * (v_descale / tl.where(filled, l_i, 1.0))[:, None]
     lse = tl.where(filled, m_i + tl.log2(tl.where(filled, l_i, 1.0)), float("-inf"))
-    row = (seq * num_heads + heads) * num_splits + split
+    row = program.to(tl.int64) * num_heads + heads  # partial results indexed by program: one plan, no collisions
     tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=head_ok[:, None])
     tl.store(part_lse_ptr + row, lse, mask=head_ok)
 
 
 @triton.jit
-def _decode_attn_merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_o_tok, stride_o_head, num_heads, num_splits,
-                  SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
-    seq = tl.program_id(0).to(tl.int64)
+def _decode_attn_merge_kernel(seqlens_ptr, part_o_ptr, part_lse_ptr, out_ptr, stride_o_tok, stride_o_head,
+                              num_heads, batch, budget, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                              MAX_SPLITS: tl.constexpr, FINE: tl.constexpr, SPLITS_P2: tl.constexpr,
+                              HEAD_DIM: tl.constexpr):
+    seq = tl.program_id(0)
     head = tl.program_id(1)
+    offs_b, tiles, splits, ends = _plan(seqlens_ptr, batch, budget, BLOCK_B, BLOCK_N, MAX_SPLITS, FINE)
+    mine = offs_b == seq
+    my_splits = tl.sum(tl.where(mine, splits, 0), 0)
+    first = tl.sum(tl.where(mine, ends, 0), 0) - my_splits
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, HEAD_DIM)
-    split_ok = offs_s < num_splits
-    row = (seq * num_heads + head) * num_splits + offs_s
+    split_ok = offs_s < my_splits
+    row = (first + offs_s).to(tl.int64) * num_heads + head
     lse = tl.load(part_lse_ptr + row, mask=split_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     total = tl.sum(w, 0)
     o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None], other=0.0)
     o = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + seq * stride_o_tok + head * stride_o_head + offs_d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
-def num_splits(batch: int, kv_heads: int, sms: int, per_sm: int = RESIDENT_PER_SM) -> int:
-    """Splits per (sequence, KV head) for a batch: as many as one wave of resident programs holds (1 to
-    ``MAX_SPLITS``)."""
-    return max(1, min(MAX_SPLITS, sms * per_sm // max(1, batch * kv_heads)))
+def work_budget(kv_heads: int, sms: int, per_sm: int = RESIDENT_PER_SM) -> int:
+    """Programs per KV head that one wave of resident programs holds: the step's tiles are shared among this many."""
+    return max(1, sms * per_sm // max(1, kv_heads))
+
+
+def grid_programs(batch: int, budget: int) -> int:
+    """Programs per KV head the grid must hold for any lengths: a plan's splits sum to at most FINE x budget + batch."""
+    return FINE * budget + batch
+
+
+def plan_splits(seqlens: list[int], budget: int, block_n: int = DEFAULT_BLOCK_N) -> list[int]:
+    """Splits per sequence as the kernel plans them (the host's mirror of ``_plan``): the fewest tiles per program
+    with which all splits fit one wave of ``budget`` programs, if that is at most 4/3 of the step's tiles over
+    ``budget``; else FINE times smaller programs than that even share, over several waves. Each sequence gets
+    ceil(its tiles / tiles per program) splits, at least one, at most MAX_SPLITS."""
+    tiles = [-(-n // block_n) for n in seqlens]
+    even = max(1, -(-sum(tiles) // budget))
+
+    def splits(per_program: int) -> list[int]:
+        return [min(MAX_SPLITS, max(1, -(-t // per_program))) for t in tiles]
+
+    lo, hi = even, max(even, max(tiles)) if len(tiles) < budget else even
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(max(1, -(-t // mid)) for t in tiles) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return splits(lo if 3 * lo <= 4 * even else max(1, -(-even // FINE)))
 
 
 def cannot_run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -165,7 +234,7 @@ def fp8_decode_attention(
     k_descale: torch.Tensor,
     v_descale: torch.Tensor,
     out: torch.Tensor | None = None,
-    splits: int | None = None,
+    budget: int | None = None,
     block_n: int = DEFAULT_BLOCK_N,
     num_warps: int = DEFAULT_WARPS,
     num_stages: int = DEFAULT_STAGES,
@@ -174,7 +243,8 @@ def fp8_decode_attention(
 
     ``q`` [B, H, D] (E4M3 or BF16), ``k_cache`` / ``v_cache`` [pages, page_size, H_kv, D] E4M3, ``page_table``
     [B, max_pages] int32, ``cache_seqlens`` [B] int32, ``k_descale`` / ``v_descale`` float32 broadcastable to
-    [B, H_kv] (a scalar or per-head scale expanded). Returns ``out`` (or a new tensor) [B, H, D] in BF16."""
+    [B, H_kv] (a scalar or per-head scale expanded); ``budget``: programs per KV head to share the step's tiles among
+    (default ``work_budget``). Returns ``out`` (or a new tensor) [B, H, D] in BF16."""
     reason = cannot_run(q, k_cache, v_cache, page_table, cache_seqlens)
     if reason:
         raise ValueError(f"fp8_decode_attention: {reason}")
@@ -187,24 +257,26 @@ def fp8_decode_attention(
         return out
     k_descale = k_descale.expand(batch, kv_heads)
     v_descale = v_descale.expand(batch, kv_heads)
-    if splits is None:
-        splits = num_splits(batch, kv_heads, _sm_count(q.device))
-    part_o = torch.empty(batch * heads * splits, dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch * heads * splits, dtype=torch.float32, device=q.device)
-    _decode_attn_split_kernel[(splits, kv_heads, batch)](
+    if budget is None:
+        budget = work_budget(kv_heads, _sm_count(q.device))
+    programs = grid_programs(batch, budget)
+    part_o = torch.empty(programs * heads, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(programs * heads, dtype=torch.float32, device=q.device)
+    plan = dict(BLOCK_B=triton.next_power_of_2(batch), BLOCK_N=block_n, MAX_SPLITS=MAX_SPLITS, FINE=FINE)
+    _decode_attn_split_kernel[(programs, kv_heads)](
         q, k_cache, v_cache, page_table, cache_seqlens, k_descale, v_descale, part_o, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), k_descale.stride(0), k_descale.stride(1), v_descale.stride(0), v_descale.stride(1),
-        float(softmax_scale) * LOG2E, heads, splits,
+        float(softmax_scale) * LOG2E, heads, batch, budget,
         PAGE_SIZE=page_size, GROUP=group, BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), HEAD_DIM=dim,
-        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **plan,
     )
     out3 = out.view(batch, heads, dim)
     _decode_attn_merge_kernel[(batch, heads)](
-        part_o, part_lse, out3, out3.stride(0), out3.stride(1), heads, splits,
-        SPLITS_P2=triton.next_power_of_2(splits), HEAD_DIM=dim, num_warps=4,
+        cache_seqlens, part_o, part_lse, out3, out3.stride(0), out3.stride(1), heads, batch, budget,
+        SPLITS_P2=triton.next_power_of_2(min(MAX_SPLITS, FINE * budget)), HEAD_DIM=dim, num_warps=4, **plan,
     )
     return out
 

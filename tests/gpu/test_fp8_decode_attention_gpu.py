@@ -1,6 +1,7 @@
 """The split-KV FP8 decode attention kernel (kernels/fp8_decode_attention.py) on a GPU: against the float64 reference,
 against FlashAttention-3's FP8 decode where sgl_kernel's FA3 is installed, and inside a CUDA graph captured at one
-context length and replayed at others (its splits are fixed per batch, its tiles per split read at run time)."""
+context length and replayed at others (its grid is fixed per batch, its plan of splits made from the lengths at run
+time)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def test_a_graph_captured_at_one_length_replays_at_others():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run(case, out=out)
-    for new in ([16, 16, 16, 16], [4096, 1, 2000, 3333], [1, 1, 1, 4096]):
+    for new in ([16, 16, 16, 16], [4096, 1, 2000, 3333], [1, 1, 1, 4096], [0, 4096, 0, 7]):
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
