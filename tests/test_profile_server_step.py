@@ -453,3 +453,16 @@ def test_suite_stage_runs_the_script_with_a_deadline_and_its_args(tmp_path):
     a = script().parse_args(line.split("profile_server_step.py", 1)[1].split())
     assert a.out == f"{tmp_path}/work/server_step" and a.model_dir == f"{tmp_path}/work/models"
     assert 400 < a.deadline_s < 560 and a.configs == ["fp8"] and a.gpu == 0
+
+
+def test_report_from_the_recorded_h100_run():
+    """The report rebuilt from docs/results (RESULTS 24a): the numbers RESULTS quotes, from the recorded analysis."""
+    rec = json.loads((REPO / "docs/results/profile_server_step_h100_2026-11-28.json").read_text())
+    text = ST.format_report(rec["configs"], rec["meta"])
+    assert text.rstrip() == (REPO / "docs/results/profile_server_step_h100_2026-11-28.md").read_text().rstrip()
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| bf16 |")
+            or line.startswith("| fp8_kv |")}
+    assert "| 8.66 |" in rows["bf16"] and "| 3.7 % |" in rows["bf16"]
+    assert "| 6.22 |" in rows["fp8_kv"] and "| 3.6 % |" in rows["fp8_kv"]
+    fp8 = rec["configs"]["fp8_kv"]["analysis"]["top_kernels"][0]
+    assert fp8["name"] == "_decode_attn_split_kernel" and round(fp8["total_us"] / fp8["calls"], 1) == 44.9
