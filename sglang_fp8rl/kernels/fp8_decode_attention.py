@@ -41,8 +41,8 @@ DEFAULT_BLOCK_N = 128
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 3
 # programs per SM in the work budget (one wave): chosen by measurement, not derived from the SM's resources (the
-# default configuration, compiled for sm90 by Triton 3.7, takes 20 KB of shared memory at 2-4 stages: its K/V
-# gathers are not staged in shared memory). On the H100 sweep at equal lengths, the splits this budget gives (32 at
+# default configuration, compiled offline for sm90 by Triton 3.7, reports 20 KB of shared memory at 2, 3 and 4
+# stages alike). On the H100 sweep at equal lengths, the splits this budget gives (32 at
 # batch 1, 1 from batch 32 on) were the best measured, and the ceiling of the same quotient (5 at batch 8: a second
 # wave of 56 programs) was 1.28x slower than the best there
 RESIDENT_PER_SM = 2
