@@ -11,11 +11,12 @@ TB/s (docs/RESULTS.md sec. 21a), so half the bytes bought 1.1-1.3x. This kernel 
 
 * one program per (KV split, KV head, sequence) reads its slice of the cache once for all the query heads of the
   group (GQA), as ``BLOCK_N`` gathered rows of K and V per step (any page size; page size 1 is SGLang's default);
-* the work is planned at run time from the step's lengths (``_plan``, in every program of both launches): each
-  sequence gets splits in proportion to its tiles, so that every program reads about the same number of tiles
-  (the step's tiles over ``work_budget``, the programs one wave holds per KV head); a long sequence among short ones
-  is read by many programs, not one that the whole step waits for. The grid is fixed per batch size
-  (``grid_programs``), so a CUDA graph captured at one context replays at any lengths;
+* the work is planned at run time from the step's lengths (``_plan``, in every program of both launches; its host
+  mirror is ``plan_splits``): each sequence gets splits in proportion to its tiles, with one bound on the tiles a
+  program reads: the fewest with which all splits fit one wave (``work_budget`` programs per KV head), if that is
+  within 4/3 of an even share of the step's tiles, else ``FINE`` times less than the even share, over several
+  waves. A long sequence among short ones is read by many programs, not by one that the whole step waits for. The
+  grid is fixed per batch size (``grid_programs``), so a CUDA graph captured at one context replays at any lengths;
 * a second launch merges each sequence's splits by their log-sum-exp, in split order (deterministic).
 
 K, V and the query are widened to FP16 in registers (E4M3 -> FP16 is exact); the scores and the weighted sum use FP16
@@ -42,9 +43,9 @@ DEFAULT_WARPS = 4
 DEFAULT_STAGES = 3
 # programs per SM in the work budget (one wave): chosen by measurement, not derived from the SM's resources (the
 # default configuration, compiled offline for sm90 by Triton 3.7, reports 20 KB of shared memory at 2, 3 and 4
-# stages alike). On the H100 sweep at equal lengths, the splits this budget gives (32 at
-# batch 1, 1 from batch 32 on) were the best measured, and the ceiling of the same quotient (5 at batch 8: a second
-# wave of 56 programs) was 1.28x slower than the best there
+# stages alike). On the H100 sweep at equal lengths, the splits this budget gives (32 at batch 1, 1 from batch 32
+# on) were the best measured, and the ceiling of the same quotient (5 at batch 8: a second wave of 56 programs) was
+# 1.28x slower than the best there
 RESIDENT_PER_SM = 2
 # when the splits of ragged lengths do not fit one wave at about the even share of tiles per program, the plan takes
 # programs this many times smaller over several waves: in the H100 sweep of ragged batches (docs/RESULTS.md sec. 24b)
