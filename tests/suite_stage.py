@@ -10,15 +10,17 @@ import subprocess
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def stage_command_lines(tmp_path: pathlib.Path, stage: str, script: str, **env: str) -> list[str]:
+def stage_command_lines(tmp_path: pathlib.Path, stage: str, script: str, unset: tuple[str, ...] = (),
+                        **env: str) -> list[str]:
     """The command lines of ``script`` that ``run_gpu_suite.sh stage`` runs, OUT and WORK under ``tmp_path``; ``env``
-    sets the stage's variables (variables of the same names in this process's environment are dropped first)."""
+    sets the stage's variables (variables of the same names, and those named in ``unset``, are dropped from this
+    process's environment first)."""
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
     (fake / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$CALLS"\n')
     (fake / "python3").chmod(0o755)
     calls = tmp_path / f"calls_{stage}_{'_'.join(sorted(env))}"
-    base = {k: v for k, v in os.environ.items() if k not in env}
+    base = {k: v for k, v in os.environ.items() if k not in env and k not in unset}
     base.update(PATH=f"{fake}:{os.environ['PATH']}", FP8RL_REPO=str(REPO), CALLS=str(calls),
                 OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), **env)
     subprocess.run(["bash", str(REPO / "scripts/gpu/run_gpu_suite.sh"), stage], env=base, cwd=REPO, check=True,

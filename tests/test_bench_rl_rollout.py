@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import bench_rl_rollout as RR
 import pytest
+from suite_stage import stage_command_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
@@ -556,19 +557,10 @@ def test_script_imports_light_and_help():
 
 def test_suite_stage_passes_its_arguments(tmp_path):
     """run_gpu_suite.sh rl_rollout runs the script with --scale short, a deadline, and RL_ROLLOUT_ARGS / RL_ARGS."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$CALLS"\n')
-    (fake / "python3").chmod(0o755)
-    suite = os.path.join(SCRIPTS, "gpu", "run_gpu_suite.sh")
 
     def run(**env):
-        calls = tmp_path / f"calls_{'_'.join(sorted(env))}"
-        e = {k: v for k, v in os.environ.items() if k not in ("RL_ARGS", "RL_ROLLOUT_ARGS")}
-        e.update(PATH=f"{fake}:{os.environ['PATH']}", FP8RL_REPO=ROOT, CALLS=str(calls), OUT=str(tmp_path / "out"),
-                 WORK=str(tmp_path / "work"), **env)
-        subprocess.run(["bash", suite, "rl_rollout"], env=e, cwd=ROOT, check=True, capture_output=True, timeout=120)
-        return [ln for ln in calls.read_text().splitlines() if "bench_rl_rollout.py" in ln]
+        return stage_command_lines(tmp_path, "rl_rollout", "bench_rl_rollout.py",
+                                   unset=("RL_ARGS", "RL_ROLLOUT_ARGS"), **env)
 
     (line,) = run(RL_ROLLOUT_ARGS="--configs bf16 fp8_kv", RL_ARGS="--arms bf16")
     assert "--scale short" in line and "--deadline-s" in line and line.endswith("--configs bf16 fp8_kv")

@@ -70,9 +70,9 @@ class Cell:
         self.k_bf16 = [k.to(torch.bfloat16) for k in self.k] if bf16 else None
         self.v_bf16 = [v.to(torch.bfloat16) for v in self.v] if bf16 else None
         order = torch.randperm(batch, generator=torch.Generator().manual_seed(context)).tolist()
-        offsets = [0] * batch  # each sequence's slots contiguous, the sequences in shuffled order
-        for i, seq in enumerate(order):
-            offsets[seq] = 1 + sum(self.lengths[s] for s in order[:i])
+        offsets, next_slot = [0] * batch, 1  # each sequence's slots contiguous, the sequences in shuffled order
+        for seq in order:
+            offsets[seq], next_slot = next_slot, next_slot + self.lengths[seq]
         width = max(self.lengths)
         cols = torch.arange(width)[None, :]
         table = torch.tensor(offsets)[:, None] + cols
