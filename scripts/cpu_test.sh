@@ -42,4 +42,5 @@ fi
 # pytest exits 5 when no test ran; that must fail CI, and it does because of set -e.
 jobs=${FP8RL_TEST_JOBS:-2}
 if [ "$jobs" -gt 1 ]; then set -- -n "$jobs" "$@"; fi
-exec "$venv/bin/python" -m pytest "$@"
+# a test still running after 15 minutes prints every thread's stack (the SGLang worker processes print their own)
+exec "$venv/bin/python" -m pytest -o faulthandler_timeout=900 "$@"

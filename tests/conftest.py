@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
@@ -12,6 +11,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(os.path.dirname(HERE), "scripts")
 # the test helpers here, and the modules of scripts/ and scripts/gpu/ that tests import by name
 sys.path[:0] = [HERE, SCRIPTS, os.path.join(SCRIPTS, "gpu")]
+
+from rank_pair import free_port  # noqa: E402, F401  (tests import it from here)
 
 from sglang_fp8rl.cpu_runner import install_cpu_stubs  # noqa: E402
 
@@ -41,12 +42,6 @@ def patch_rope_for_cpu() -> None:
     import sglang.srt.layers.rotary_embedding.base as rope_base
 
     rope_base._is_cpu = True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # what parsing a command line with our quantization sets in this process: our options (server_args.set_options) and

@@ -18,10 +18,11 @@ install_cpu_stubs()
 
 def main() -> None:
     from sglang.srt.utils import init_custom_process_group
+    from update_group import GROUP_TIMEOUT
 
     plan = torch.load(sys.argv[1], weights_only=False)
     group = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", world_size=2,
-                                      rank=0, group_name="fp8rl_test")
+                                      rank=0, group_name="fp8rl_test", timeout=GROUP_TIMEOUT)
     for i, tensors in enumerate(plan):
         for tensor in tensors or ():
             torch.distributed.broadcast(tensor, src=0, group=group)

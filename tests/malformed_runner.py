@@ -24,6 +24,7 @@ from malformed_cases import (
     tensor_request,
     write_disk_case,
 )
+from update_group import join_update_group
 
 from sglang_fp8rl import quant
 from sglang_fp8rl.compat.updates import update_from_distributed, updater_of
@@ -118,9 +119,7 @@ def run_all(runner: Any, extra: dict) -> dict:
     plan = [distributed_plan(c.defect.split(":")[1], w1)[1] for c in cases if c.entry == "distributed"]
     plan_path = os.path.join(extra["work"], "dist_plan.pt")
     torch.save(plan, plan_path)
-    trainer = start_trainer(plan_path, extra["dist_port"])
-    ok, msg = updater.init_weights_update_group("127.0.0.1", extra["dist_port"], 1, 2, "fp8rl_test", "gloo")
-    assert ok, msg
+    trainer = join_update_group(updater, lambda port: start_trainer(plan_path, port), "fp8rl_test")
 
     results = {}
     for case in cases:

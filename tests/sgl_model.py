@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import torch
+from rank_pair import STACKS_AFTER_ENV, STACKS_MARGIN_S, run_ranks
 
 from sglang_fp8rl.demo_common import random_state_dict, write_tokenizer  # noqa: F401  (shared with the demo)
 
@@ -93,6 +94,10 @@ def write_w0_w1(d, config=None) -> tuple[dict, dict]:
     return w0, w1
 
 
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+
 def run_worker(scenario: str, model_dir: str, out_path: str, *server_args: str, env: dict | None = None,
                timeout: int = 600, extra: dict | None = None) -> dict:
     """Run one scenario of tests/sgl_worker.py in a fresh process; return what it saved."""
@@ -100,7 +105,13 @@ def run_worker(scenario: str, model_dir: str, out_path: str, *server_args: str, 
     proc_env = dict(os.environ)
     proc_env.pop("FP8RL_OPTIONS", None)
     proc_env.update(env or {})
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=proc_env)
+    # the worker prints every thread's stack and exits shortly before it would be killed: a hang names its line
+    proc_env[STACKS_AFTER_ENV] = str(max(timeout - STACKS_MARGIN_S, 1))
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=proc_env)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"worker {scenario} still ran after {timeout} s:\n{_text(e.stdout)[-4000:]}\n"
+                             f"{_text(e.stderr)[-8000:]}") from None
     if res.returncode != 0:
         raise AssertionError(
             f"worker {scenario} failed (rc={res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-8000:]}")
@@ -153,24 +164,20 @@ def write_moe_checkpoint(out: str, dims: dict, seed: int, state_dict: dict | Non
 def run_tp_workers(scenario: str, model_dir: str, out_prefix: str, tp_size: int, *server_args: str,
                    extra: dict | None = None, timeout: int = 600) -> list[dict]:
     """Run one scenario as ``tp_size`` concurrent worker processes (one per TP rank, gloo on CPU)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = dict(os.environ, SGLANG_CPU_OMP_THREADS_BIND="|".join(str(r % os.cpu_count()) for r in range(tp_size)))
     env.pop("FP8RL_OPTIONS", None)
-    procs = []
-    for rank in range(tp_size):
-        cmd = [sys.executable, WORKER, scenario, model_dir, f"{out_prefix}.rank{rank}.pt",
-               json.dumps({**(extra or {}), "tp_rank": rank}), *server_args, "--tp-size", str(tp_size),
-               "--nccl-port", str(port)]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+
+    def command(rank: int, port: int) -> list[str]:
+        return [sys.executable, WORKER, scenario, model_dir, f"{out_prefix}.rank{rank}.pt",
+                json.dumps({**(extra or {}), "tp_rank": rank}), *server_args, "--tp-size", str(tp_size),
+                "--nccl-port", str(port)]
+
+    try:
+        logs = run_ranks(command, env, timeout, ranks=tp_size)
+    except AssertionError as e:
+        raise AssertionError(f"TP workers of {scenario}: {e}") from None
     results = []
-    for rank, proc in enumerate(procs):
-        log, _ = proc.communicate(timeout=timeout)
-        if proc.returncode != 0:
-            raise AssertionError(f"TP rank {rank} of {scenario} failed (rc={proc.returncode}):\n{log[-8000:]}")
+    for rank, log in enumerate(logs):
         result = torch.load(f"{out_prefix}.rank{rank}.pt", weights_only=False)
         result["_log"] = log
         results.append(result)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import os
 import sys
@@ -586,10 +587,14 @@ SCENARIOS = {"client": scenario_client, "load": scenario_load, "updates": scenar
              "step_truth": lambda r, e: __import__("step_truth").scenario_step_truth(r, e),
              "session_recovery": lambda r, e: __import__("step_truth").scenario_session_recovery(r, e),
              "colocated": lambda r, e: __import__("colocated").scenario_colocated(r, e),
-             "scale_out": lambda r, e: __import__("scale_out_scenario").scenario_scale_out(r, e)}
+             "scale_out": lambda r, e: __import__("scale_out_scenario").scenario_scale_out(r, e),
+             "hang": lambda r, e: __import__("time").sleep(e["seconds"])}  # the harness's own test
 
 
 def main() -> None:
+    stacks_after = os.environ.get("FP8RL_TEST_STACKS_AFTER_S")  # set by tests/sgl_model.run_worker
+    if stacks_after:
+        faulthandler.dump_traceback_later(float(stacks_after), exit=True)
     scenario, model_dir, out_path, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     runner = build_runner(model_dir, sys.argv[5:], extra.get("tp_rank", 0))
     with torch.no_grad():

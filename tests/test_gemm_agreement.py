@@ -15,7 +15,7 @@ import os
 import sys
 
 import pytest
-from rank_pair import free_port, run_ranks
+from rank_pair import run_ranks
 from test_gemm_select import clean_state, install_fake_tuning, request  # noqa: F401 - clean_state is autouse
 
 from sglang_fp8rl.kernels import gemm_select as gs
@@ -102,8 +102,7 @@ dist.destroy_process_group()  # gloo's threads left running at exit can abort th
 
 
 def run_pair(behaviours: tuple[str, str], timeout: int = 90) -> list:
-    port = free_port()
-    logs = run_ranks(lambda rank: [sys.executable, "-c", RANK_SCRIPT, str(rank), str(port), behaviours[rank]],
+    logs = run_ranks(lambda rank, port: [sys.executable, "-c", RANK_SCRIPT, str(rank), str(port), behaviours[rank]],
                      dict(os.environ), timeout)
     return [json.loads(next(ln for ln in log.splitlines() if ln.startswith("RESULT "))[7:]) for log in logs]
 

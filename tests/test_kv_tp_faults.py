@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-from rank_pair import free_port
 from rank_pair import run_ranks as run_rank_pair
 from sgl_model import TINY, write_checkpoint
 
@@ -38,10 +37,9 @@ SECONDS = 30  # one recalibration of 512 tokens takes about a second here; a han
 
 def run_ranks(model_dir: str, out_prefix: str, timeout: int = 420) -> list[dict]:
     """The kv_tp_faults scenario as two TP ranks (gloo on CPU); both are killed past ``timeout``."""
-    port = free_port()
     env = dict(os.environ, SGLANG_CPU_OMP_THREADS_BIND="|".join(str(r % os.cpu_count()) for r in range(2)))
     env.pop("FP8RL_OPTIONS", None)
-    run_rank_pair(lambda rank: [sys.executable, WORKER, "kv_tp_faults", model_dir, f"{out_prefix}.rank{rank}.pt",
+    run_rank_pair(lambda rank, port: [sys.executable, WORKER, "kv_tp_faults", model_dir, f"{out_prefix}.rank{rank}.pt",
                                 json.dumps({"tp_rank": rank}), *ARGS, "--tp-size", "2", "--nccl-port", str(port)],
                   env, timeout)
     return [torch.load(f"{out_prefix}.rank{rank}.pt", weights_only=False) for rank in range(2)]

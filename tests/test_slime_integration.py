@@ -40,6 +40,7 @@ from sgl_model import (
     write_checkpoint,
     write_w0_w1,
 )
+from update_group import GROUP_TIMEOUT, join_update_group
 
 pytestmark = pytest.mark.slow
 
@@ -305,7 +306,7 @@ def distributed_trainer(work: str, port: str) -> None:
     from sglang.srt.utils import init_custom_process_group  # as slime.utils.distributed_utils.init_process_group
 
     group = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
-                                      group_name=GROUP)
+                                      group_name=GROUP, timeout=GROUP_TIMEOUT)
     count = 0
 
     class FileEngine(slime.SGLangEngine):
@@ -342,14 +343,16 @@ def scenario_slime_miles(runner, extra: dict) -> dict:
     out = sgl_worker.scenario_updates(runner, extra)
     out["initial"] = initial
     updater = sgl_worker.updater_of(runner.torch_runner)
-    work, port = extra["work"], extra["dist_port"]
-    # os._exit after the last broadcast: gloo's destructors can abort a process at exit (tests/dist_trainer.py)
-    code = (f"import os, sys; sys.path[:0] = [{HERE!r}]; import test_slime_integration as t; "
-            f"t.distributed_trainer({work!r}, {str(port)!r}); sys.stdout.flush(); os._exit(0)")
-    trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, cwd=REPO)
-    ok, message = updater.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "gloo")
-    assert ok, message
+    work = extra["work"]
+
+    def start_trainer(port: int) -> subprocess.Popen:
+        # os._exit after the last broadcast: gloo's destructors can abort a process at exit (tests/dist_trainer.py)
+        code = (f"import os, sys; sys.path[:0] = [{HERE!r}]; import test_slime_integration as t; "
+                f"t.distributed_trainer({work!r}, {str(port)!r}); sys.stdout.flush(); os._exit(0)")
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, cwd=REPO)
+
+    trainer = join_update_group(updater, start_trainer, GROUP)
     out["dist_bodies"], out["dist_answers"], out["dist_params_after"] = [], [], []
     for i in range(extra["dist_requests"]):
         path, deadline = os.path.join(work, f"dist_body_{i}.json"), time.time() + 300
@@ -492,10 +495,7 @@ def replay(tmp_path_factory):
     torch.save(requests, path)
     plan = torch.load(d / "dist_plan.pt", weights_only=False)
     dist_ends = [len(plan[0][1]) - 1, len(plan[0][1]) + len(plan[1][1]) - 1]
-    from conftest import free_port
-
-    out = run_scenario(str(d / "w0"), d, {"requests": str(path), "work": str(d), "dist_port": free_port(),
-                                          "dist_requests": dist_ends[-1] + 1})
+    out = run_scenario(str(d / "w0"), d, {"requests": str(path), "work": str(d), "dist_requests": dist_ends[-1] + 1})
     cold = run_worker("load", str(d / "w1"), str(d / "cold_w1.pt"), *QUANT)
     return {"payloads": payloads, "out": out, "ends": ends, "dist_ends": dist_ends, "cold": cold, "sd": (w0, w1, w2)}
 
