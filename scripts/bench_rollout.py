@@ -4,7 +4,7 @@ per-channel FP8.
 
 One command, one run, one table. Each config is one subprocess of `sglang.benchmark.one_batch` (what
 `python -m sglang.bench_one_batch` runs: a static batch, prefill then greedy decode, no server) on a dummy-weight
-Qwen3-8B-shaped model (`--moe`: Qwen3-30B-A3B-shaped), with in-process hooks (see `_child`):
+Qwen3-8B-shaped model (`--moe`: Qwen3-30B-A3B-shaped), with in-process hooks (scripts/bench_rollout_child.py):
 
   bf16                  qwen3-8b, no quantization (cuBLAS BF16 GEMMs)
   fp8_online_blockwise  qwen3-8b, --quantization fp8_online_blockwise (this plugin: 128x128 FP32-scaled weight blocks
@@ -69,7 +69,6 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import gzip
 import json
 import os
 import re
@@ -82,8 +81,21 @@ import threading
 import time
 
 import _paths  # noqa: F401  (scripts/gpu and the checkout on sys.path)
+import kernel_trace as KT  # scripts/kernel_trace.py: the profiler's top-kernels table
 import kv_measure as KV  # scripts/kv_measure.py: the FP8-KV tables and log parsing
 import tail_table as TAIL  # scripts/tail_table.py: decode at small batch over long contexts
+from bench_rollout_report import (  # scripts/bench_rollout_report.py: log parsing, ratios, targets, the tables
+    DESC,
+    _f,
+    check_targets,
+    compute_ratios,
+    format_summary,
+    input_lens_of,
+    last_pass,
+    of_input_len,
+    parse_log,
+    parse_rows_from_log,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,42 +104,9 @@ CONFIGS = ["bf16", "fp8_online_blockwise", "block_prequant", "fp8_channel"]
 KV_CONFIGS = ["fp8_online_blockwise_kv", "fp8_online_blockwise_kv_static", "fp8_online_blockwise_kv_sglang_write",
               "fp8_online_blockwise_kv_fa3", "fp8_online_blockwise_kv_splitkv", "bf16_kv"]
 EXTRA_CONFIGS = ["fp8_online_noselect", *KV_CONFIGS]  # opt-in (--configs)
-DESC = {
-    "bf16": "BF16, no quantization",
-    "fp8_online_blockwise": "--quantization fp8_online_blockwise (this plugin, GEMM per shape measured at load)",
-    "fp8_online_noselect": "--quantization fp8_online_blockwise --fp8rl-gemm-select off (SGLang's GEMM dispatch)",
-    "block_prequant": "pre-quantized block-FP8 checkpoint (SGLang, DeepGEMM)",
-    "fp8_channel": "--quantization fp8 (online per-channel W, per-token A)",
-    "fp8_online_blockwise_kv": "fp8_online_blockwise + --kv-cache-dtype fp8_e4m3 (K/V scales calibrated at load)",
-    "fp8_online_blockwise_kv_static": "fp8_online_blockwise + --kv-cache-dtype fp8_e4m3 --fp8rl-kv-scales static",
-    "fp8_online_blockwise_kv_sglang_write": "fp8_online_blockwise_kv + --fp8rl-kv-write sglang",
-    "fp8_online_blockwise_kv_fa3": "fp8_online_blockwise_kv + --fp8rl-decode-attention fa3 (FA3's FP8 decode)",
-    "fp8_online_blockwise_kv_splitkv": "fp8_online_blockwise_kv + --fp8rl-decode-attention split_kv (every batch)",
-    "bf16_kv": "BF16 weights + --kv-cache-dtype fp8_e4m3 (SGLang's static scale 1.0)",
-}
-SHORT = {"bf16": "bf16", "fp8_online_blockwise": "online", "block_prequant": "block_prequant",
-         "fp8_channel": "fp8_channel", "fp8_online_noselect": "online_noselect"}
 _FP8_KV = ["--kv-cache-dtype", "fp8_e4m3"]
 DECODE_ATTENTION_FLAG = "--fp8rl-decode-attention"
 _ONLINE = ["--quantization", "fp8_online_blockwise"]
-# (numerator, denominator, metric, batch size or None for every bs, threshold)
-TARGETS = [
-    ("fp8_online_blockwise", "bf16", "decode", 64, 1.40),
-    ("fp8_online_blockwise", "bf16", "decode", 128, 1.40),
-    ("fp8_online_blockwise", "fp8_channel", "decode", None, 1.00),
-    ("fp8_online_blockwise", "bf16", "prefill", None, 1.45),
-    ("fp8_online_blockwise", "block_prequant", "decode", None, 0.98),
-    ("fp8_online_blockwise", "block_prequant", "prefill", None, 0.98),
-]
-RATIO_PAIRS = [
-    ("fp8_online_blockwise", "bf16"),
-    ("fp8_online_blockwise", "block_prequant"),
-    ("fp8_online_blockwise", "fp8_channel"),
-    ("block_prequant", "bf16"),
-    ("fp8_channel", "bf16"),
-    ("fp8_online_blockwise", "fp8_online_noselect"),
-]
-METRIC_KEY = {"prefill": "prefill_throughput", "decode": "median_decode_throughput", "total": "overall_throughput"}
 ECHO_RE = re.compile(
     r"\[fp8rl\]|\[bench_rollout\]|Load weight end|max_total_num_tokens=|Prefill\. latency|Decode\.  median|"
     r"Total\. latency|skipping \(|Traceback|Error|error:|CUDA out of memory")
@@ -216,428 +195,6 @@ def profile_flags(prefix: str, output_len, steps: int) -> list[str]:
     start = max(1, min(64, min(_lens(output_len)) // 2))
     return ["--profile", "--profile-stage", "decode", "--profile-start-step", str(start), "--profile-steps",
             str(steps), "--profile-activities", "GPU", "--profile-prefix", prefix]
-
-
-_SKIP_RE = re.compile(r"skipping \((\d+), (\d+), (\d+)\) due to max batch size limit")
-
-
-def _next_in_sweep(sweep, pos: int, bs: int, output_len=None):
-    """Index of the next sweep entry at or after pos with this bs (and output length), or None."""
-    for i in range(pos, len(sweep)):
-        if sweep[i][0] == bs and (output_len is None or sweep[i][1] == output_len):
-            return i
-    return None
-
-
-def parse_rows_from_log(text: str, sweep=None) -> list[dict]:
-    """bench_one_batch's printed results after 'Benchmark ...' (fallback when it died before writing its jsonl).
-
-    The log does not print a row's output length; with `sweep` (sweep_order()) each row gets the next planned
-    (bs, output_len) of its batch size, and skip lines consume theirs."""
-    rows, cur, on, pos = [], None, False, 0
-    for line in text.splitlines():
-        if "Benchmark ..." in line:
-            on = True
-            continue
-        if not on:
-            continue
-        m = _SKIP_RE.search(line)
-        if m and sweep:
-            i = _next_in_sweep(sweep, pos, int(m[1]), int(m[3]))
-            pos = pos if i is None else i + 1
-            continue
-        m = re.search(r"Prefill\. latency: *([0-9.]+) s, throughput: *([0-9.]+)", line)
-        if m:
-            cur = {"prefill_latency": float(m[1]), "prefill_throughput": float(m[2])}
-            continue
-        m = re.search(r"Decode 0\. Batch size: *(\d+)", line)
-        if m and cur is not None:
-            cur["batch_size"] = int(m[1])
-        m = re.search(r"Decode\.  median latency: *([0-9.]+) s, median throughput: *([0-9.]+)", line)
-        if m and cur is not None:
-            cur["median_decode_latency"], cur["median_decode_throughput"] = float(m[1]), float(m[2])
-        m = re.search(r"Total\. latency: *([0-9.]+) s, throughput: *([0-9.]+)", line)
-        if m and cur is not None and "batch_size" in cur:
-            cur["total_latency"], cur["overall_throughput"] = float(m[1]), float(m[2])
-            i = _next_in_sweep(sweep, pos, cur["batch_size"]) if sweep else None
-            if i is not None:
-                cur["output_len"], pos = sweep[i][1], i + 1
-            rows.append(cur)
-            cur = None
-    return rows
-
-
-def parse_log(text: str) -> dict:
-    """Facts from one bench log: weight memory (GiB; SGLang prints GiB as 'GB'), KV-cache tokens, [fp8rl] lines..."""
-    info = {"weight_gib": None, "kv_tokens": None, "kv_dtype": None, "load_line": None, "fp8rl": [],
-            "quant_methods": [], "gemm_calls": None, "skipped_bs": [], "skipped": [], "error_tail": [],
-            "kv_recal_ms": KV.recalibration_times(text), "kv_option_missing": KV_OPTION_MISSING in text}
-    for line in text.splitlines():
-        m = re.search(r"Load weight end\..*mem usage=([0-9.]+) GB", line)
-        if m:
-            info["weight_gib"] = float(m[1])
-            info["load_line"] = line[line.index("Load weight end"):].strip()[:300]
-        m = re.search(r"max_total_num_tokens=(\d+)", line)
-        if m:
-            info["kv_tokens"] = int(m[1])
-        m = re.search(r"KV [Cc]ache (?:is )?allocated\. dtype: ([^,]+), #tokens: (\d+)", line)
-        if m:
-            info["kv_dtype"] = m[1].strip()
-            if info["kv_tokens"] is None or "Post-capture" in line:
-                info["kv_tokens_pool"] = int(m[2])
-        if "[fp8rl]" in line and len(info["fp8rl"]) < 20:
-            info["fp8rl"].append(line[line.index("[fp8rl]"):].strip()[:400])
-        if "[bench_rollout] quant methods:" in line:
-            info["quant_methods"].append(line[line.index("quant methods:"):].strip()[:600])
-        if "[bench_rollout] gemm calls" in line:
-            info["gemm_calls"] = line[line.index("gemm calls"):].strip()[:600]
-        m = _SKIP_RE.search(line)
-        if m:
-            info["skipped_bs"].append(int(m[1]))
-            info["skipped"].append([int(m[1]), int(m[3])])
-    if info["kv_tokens"] is None and info.get("kv_tokens_pool") is not None:
-        info["kv_tokens"] = info["kv_tokens_pool"]
-    lines = [ln for ln in text.splitlines() if ln.strip() and not re.fullmatch(r"\[ *[0-9.]+\] *", ln)]
-    tb = [i for i, ln in enumerate(lines) if "Traceback" in ln]
-    if tb:
-        info["error_tail"] = [ln[:300] for ln in lines[tb[-1]:][-25:]]
-    return info
-
-
-def _row_len_matches(row: dict, output_len) -> bool:
-    return output_len is None or "output_len" not in row or int(row["output_len"]) == int(output_len)
-
-
-def last_pass(results: dict, output_len=None) -> dict:
-    """(config, bs) -> the last row of that bs (the clean one when --repeat > 1), of one output length if given."""
-    best = {}
-    for cfg, res in results.items():
-        for r in res.get("rows", []):
-            if _row_len_matches(r, output_len):
-                best[(cfg, int(r["batch_size"]))] = r
-    return best
-
-
-def ratio(best: dict, num: str, den: str, bs: int, metric: str):
-    a, b = best.get((num, bs)), best.get((den, bs))
-    k = METRIC_KEY[metric]
-    if not a or not b or not a.get(k) or not b.get(k):
-        return None
-    return a[k] / b[k]
-
-
-def compute_ratios(best: dict) -> list[dict]:
-    out = []
-    bss = sorted({bs for (_, bs) in best})
-    for num, den in RATIO_PAIRS:
-        for bs in bss:
-            vals = {m: ratio(best, num, den, bs, m) for m in ("prefill", "decode", "total")}
-            if any(v is not None for v in vals.values()):
-                out.append({"num": num, "den": den, "bs": bs, **vals})
-    return out
-
-
-def check_targets(best: dict) -> list[dict]:
-    out = []
-    bss = sorted({bs for (_, bs) in best})
-    for num, den, metric, tbs, thr in TARGETS:
-        for bs in ([tbs] if tbs is not None else bss):
-            v = ratio(best, num, den, bs, metric)
-            out.append({"num": num, "den": den, "metric": metric, "bs": bs, "threshold": thr, "value": v,
-                        "status": "n/a" if v is None else ("PASS" if v >= thr else "FAIL")})
-    return out
-
-
-def _f(v, fmt="{:,.0f}", none="—"):
-    return none if v is None else fmt.format(v)
-
-
-def _skipped(res: dict, bs: int, output_len, several_lens: bool) -> bool:
-    if several_lens and res.get("skipped") is not None:
-        return [bs, output_len] in [list(x) for x in res["skipped"]]
-    return bs in res.get("skipped_bs", [])
-
-
-def _throughput_table(results: dict, meta: dict, output_len, several_lens: bool) -> list[str]:
-    lines = ["| config | bs | prefill tok/s | decode tok/s | decode ms/step | total tok/s | weight GiB | KV tokens |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for cfg, res in results.items():
-        rows = {int(r["batch_size"]): r for r in res.get("rows", []) if _row_len_matches(r, output_len)}
-        bss = meta.get("batch_sizes") or sorted(rows)
-        for bs in bss:
-            r = rows.get(int(bs))
-            w, kv = _f(res.get("weight_gib"), "{:.2f}"), _f(res.get("kv_tokens"))
-            if r is None:
-                why = "skipped (KV)" if _skipped(res, int(bs), output_len, several_lens) else \
-                    res.get("status", "no result")
-                lines.append(f"| {cfg} | {bs} | {why} | | | | {w} | {kv} |")
-                continue
-            lat = r.get("median_decode_latency")
-            lines.append(f"| {cfg} | {bs} | {_f(r.get('prefill_throughput'))} | "
-                         f"{_f(r.get('median_decode_throughput'))} | "
-                         f"{_f(None if lat is None else lat * 1e3, '{:.2f}')} | {_f(r.get('overall_throughput'))} | "
-                         f"{w} | {kv} |")
-    return lines
-
-
-def input_lens_of(meta: dict) -> list:
-    """The run's prompt lengths, the primary (first) one first."""
-    return meta.get("input_lens") or [meta.get("input_len")]
-
-
-def of_input_len(results: dict, input_len) -> dict:
-    """``results`` with only the rows of one prompt length (rows without ``input_len``, parsed from a log, stay)."""
-    return {cfg: {**res, "rows": [r for r in res.get("rows", []) if int(r.get("input_len", input_len)) == input_len]}
-            for cfg, res in results.items()}
-
-
-def format_summary(results: dict, meta: dict) -> str:
-    inputs = input_lens_of(meta)
-    if len(inputs) > 1:
-        tail = TAIL.format_tail(results, inputs, meta.get("batch_sizes") or [])
-        return format_summary(of_input_len(results, inputs[0]), {**meta, "input_lens": inputs[:1]}) + "\n\n" + tail
-    lens = meta.get("output_lens") or [meta.get("output_len")]
-    primary = meta.get("output_len")
-    best = last_pass(results, primary if len(lens) > 1 else None)
-    lines = []
-    backend = meta.get("attention_backend", KV.DEFAULT_ATTENTION_BACKEND)
-    lines.append(f"## Rollout throughput: {meta.get('model_desc', '')}, input {meta.get('input_len')}, "
-                 f"output {', '.join(str(x) for x in lens)}, bench_one_batch (one static batch, greedy)"
-                 f"{'' if backend == KV.DEFAULT_ATTENTION_BACKEND else f', attention backend {backend}'}")
-    if meta.get("device"):
-        lines.append(f"device: {meta['device']}; {meta.get('versions', '')}; {meta.get('date', '')}")
-    for ol in lens:
-        lines.append("")
-        if len(lens) > 1:
-            lines += [f"output {ol}:", ""]
-        lines += _throughput_table(results, meta, ol, len(lens) > 1)
-    lines.append("")
-    ratios = compute_ratios(best)
-    if len(lens) > 1 and ratios:
-        lines += [f"ratios and targets below: output {primary}", ""]
-    if ratios:
-        lines.append("| ratio (throughput) | bs | prefill | decode | total |")
-        lines.append("| --- | --- | --- | --- | --- |")
-    for r in ratios:
-        lines.append(f"| {SHORT[r['num']]} / {SHORT[r['den']]} | {r['bs']} | {_f(r['prefill'], '{:.3f}')} | "
-                     f"{_f(r['decode'], '{:.3f}')} | {_f(r['total'], '{:.3f}')} |")
-    if ratios:
-        lines.append("")
-    targets = check_targets(best)
-    if all(t["status"] == "n/a" for t in targets):
-        lines.append("targets: the weight-only targets need fp8_online_blockwise and its references (not run here)")
-        targets = []
-    else:
-        lines.append("targets:")
-    for t in targets:
-        lines.append(f"  {SHORT[t['num']]}/{SHORT[t['den']]} {t['metric']} @bs{t['bs']} >= {t['threshold']:.2f}: "
-                     f"{_f(t['value'], '{:.3f}')} {t['status']}")
-    kv_section = KV.format_kv_section(results)
-    if kv_section:
-        lines += ["", kv_section]
-    lines.append("")
-    for cfg, res in results.items():
-        extra = ""
-        if res.get("fp8rl"):
-            extra = f"; {res['fp8rl'][0][:160]}"
-        where = f" [{res['backend']}]" if res.get("backend") else ""
-        merged = f" (from {res['merged_from']})" if res.get("merged_from") else ""
-        lines.append(f"- {cfg}{where}: {DESC.get(KV.entry_config(cfg, res), '')}; rc={res.get('rc')} "
-                     f"wall={_f(res.get('wall_s'), '{:.0f}')}s{' TIMEOUT' if res.get('timed_out') else ''}{merged}"
-                     f"{extra}")
-    return "\n".join(lines)
-
-
-# --- profiler traces --------------------------------------------------------------------------------------------
-
-# First match wins. The quantizer and attention come before the FP8 GEMM: their template arguments name e4m3 too
-# (per_token_group_quant<..., __nv_fp8_e4m3>, FA3's FP8 kernel over an FP8 KV cache). The K/V write counts as attention.
-_KERNEL_CLASSES = [
-    ("act quant", r"quant"),
-    ("attention", r"attn|attention|decode_kernel|_fwd_kernel|_fwd_grouped|flash::|mha|paged|store_kv|scaled_store"),
-    ("norm/rope/act", r"rmsnorm|rms_norm|layernorm|norm::|qknorm|rotary|rope|silu|act_and_mul|gelu"),
-    ("fp8 gemm", r"deep_gemm|fp8_gemm|sm90_fp8|w8a8|scaled_mm|e4m3|fp8_blockwise|block_fp8|_fp8_matmul|cutlass.*fp8"),
-    ("gemm (bf16)", r"nvjet|gemm|cublas|cutlass|xmma|sm90_|matmul|Kernel2"),
-    ("moe routing/align", r"topk|moe_align|moe_sum|router|expert|count_and_sort"),
-    ("moe gemm", r"fused_moe"),
-]
-
-
-def classify_kernel(name: str) -> str:
-    n = name.lower()
-    for label, pat in _KERNEL_CLASSES:
-        if re.search(pat, n):
-            return label
-    return "other"
-
-
-def kernel_events(trace: dict):
-    """(name, duration us) of every GPU kernel event of a chrome trace (torch.profiler export), in trace order."""
-    for ev in trace.get("traceEvents", []):
-        if ev.get("ph") == "X" and str(ev.get("cat", "")).lower() == "kernel":
-            yield ev.get("name", "?"), float(ev.get("dur", 0.0))
-
-
-def kernel_totals(trace: dict) -> dict:
-    """name -> [total_us, count] over the GPU kernel events of a chrome trace (torch.profiler export)."""
-    tot = collections.defaultdict(lambda: [0.0, 0])
-    for name, dur in kernel_events(trace):
-        t = tot[name]
-        t[0] += dur
-        t[1] += 1
-    return dict(tot)
-
-
-def format_kernel_summary(tot: dict, title: str, steps: int = 1, top: int = 25) -> str:
-    total = sum(v[0] for v in tot.values())
-    lines = [(f"### {title}: {len(tot)} kernels, {total / 1e3 / max(1, steps):.3f} ms GPU kernel time per decode "
-              f"step ({steps} steps profiled)")]
-    if not tot:
-        lines.append("(no GPU kernel events in the trace; CUDA-graph replays may not be visible to the profiler)")
-        return "\n".join(lines)
-    cats = collections.defaultdict(float)
-    for name, (us, _) in tot.items():
-        cats[classify_kernel(name)] += us
-    lines.append("by class: " + ", ".join(f"{c} {100 * us / total:.1f}%" for c, us in
-                                          sorted(cats.items(), key=lambda kv: -kv[1])))
-    lines.append(f"{'%':>6} {'us/step':>10} {'calls/step':>10}  class            kernel")
-    for name, (us, cnt) in sorted(tot.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"{100 * us / total:6.2f} {us / max(1, steps):10.1f} {cnt / max(1, steps):10.1f}  "
-                     f"{classify_kernel(name):16s} {name[:140]}")
-    return "\n".join(lines)
-
-
-def load_trace(path: str) -> dict:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the per-config subprocess: bench_one_batch with hooks
-# ----------------------------------------------------------------------------------------------------------------
-
-def _clog(*a):
-    print("[bench_rollout]", *a, flush=True)
-
-
-def _after_dummy_init(model):
-    import torch
-
-    methods = collections.Counter()
-    for m in model.modules():
-        qm = getattr(m, "quant_method", None)
-        if qm is None:
-            continue
-        key = f"{type(m).__name__}:{type(qm).__name__}"
-        if getattr(qm, "block_quant", False):
-            f = getattr(qm, "w8a8_block_fp8_linear", None)
-            key += f" block={getattr(qm, 'weight_block_size', None)} fn={getattr(f, '__name__', f)}"
-        methods[key] += 1
-    _clog("quant methods:", dict(methods))
-    fp8 = [(n, p) for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
-    scales = [(n, p) for n, p in model.named_parameters() if n.endswith("weight_scale_inv")]
-    if not fp8:
-        _clog("no fp8 parameters at dummy init")
-        return
-
-    def nonzero(p):
-        return (p.data.view(torch.uint8) & 0x7F).ne(0).float().mean().item()
-
-    n0, p0 = fp8[0]
-    _clog(f"{len(fp8)} fp8 params, {len(scales)} weight_scale_inv at dummy init; {n0} {tuple(p0.shape)} "
-          f"nonzero fraction {nonzero(p0):.4f}")
-    if os.environ.get("FP8RL_BENCH_REFILL", "0") != "1":
-        _clog("FP8 dummy weights left as they are (FP8RL_BENCH_REFILL != 1)")
-        return
-    g = torch.Generator(device=p0.device)
-    for i, (_, p) in enumerate(fp8):
-        g.manual_seed(1234 + i)
-        tmp = torch.empty(p.shape, dtype=torch.float16, device=p.device).uniform_(-2.0, 2.0, generator=g)
-        p.data.copy_(tmp.to(p.dtype))
-        del tmp
-    for _, p in scales:
-        p.data.fill_(5e-4)
-    torch.cuda.synchronize()
-    _clog(f"refilled fp8 weights with U(-2,2) in e4m3 (nonzero fraction {nonzero(p0):.4f}), weight_scale_inv := 5e-4")
-
-
-KV_OPTION_MISSING = "this sglang-fp8rl has no --fp8rl-kv-scales option"
-
-
-def _check_kv_scales_option(argv: list[str]) -> None:
-    """With an FP8 KV cache: say once whether the plugin calibrates K/V scales; stop a config that needs the option."""
-    if "--kv-cache-dtype" not in argv:
-        return
-    try:
-        supported = KV.kv_scales_supported()
-    except ImportError as e:
-        _clog(f"cannot read the plugin's options: {e!r}")
-        supported = False
-    if supported:
-        return
-    if KV.KV_SCALES_FLAG in argv:
-        _clog(f"ERROR {KV_OPTION_MISSING}; this config passes {KV.KV_SCALES_FLAG} and cannot run")
-        sys.exit(3)
-    _clog(f"WARNING {KV_OPTION_MISSING}: the FP8 KV cache runs with SGLang's static scale 1.0")
-
-
-def child_main(argv: list[str]) -> None:
-    # bench_one_batch never calls load_plugins(); without it `--quantization fp8_online_blockwise` is not an
-    # argparse choice and the plugin's layers are not registered.
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
-    _check_kv_scales_option(argv)
-    import sglang.benchmark.one_batch as OB
-
-    counts = collections.Counter()
-
-    def counted(mod, name, label):
-        fn = getattr(mod, name, None)
-        if fn is None:
-            return
-
-        def wrapper(*a, **k):
-            counts[label] += 1
-            return fn(*a, **k)
-
-        setattr(mod, name, wrapper)
-
-    try:
-        import sglang.srt.layers.quantization.fp8 as F8
-        import sglang.srt.layers.quantization.fp8_utils as FU
-
-        counted(FU, "w8a8_block_fp8_matmul_deepgemm", "deepgemm block")
-        counted(FU, "w8a8_block_fp8_matmul_triton", "triton block")
-        counted(FU, "fp8_scaled_mm", "cutlass fp8_scaled_mm")
-        counted(FU, "triton_scaled_mm", "triton_scaled_mm")
-        counted(F8, "apply_fp8_linear", "apply_fp8_linear (non-block)")
-        counted(FU, "sglang_per_token_group_quant_fp8", "sglang_per_token_group_quant_fp8")
-        counted(FU, "per_token_group_quant_fp8", "per_token_group_quant_fp8")
-    except (ImportError, AttributeError) as e:  # bookkeeping must never break the bench
-        _clog(f"GEMM call counting not installed: {e!r}")
-    try:
-        import sglang.srt.model_loader.loader as L
-
-        orig = L.initialize_dummy_weights
-
-        def init(model, *a, **k):
-            orig(model, *a, **k)
-            try:
-                _after_dummy_init(model)
-            except (RuntimeError, ValueError, AttributeError, TypeError) as e:
-                _clog(f"after-dummy-init hook failed: {e!r}")
-
-        L.initialize_dummy_weights = init
-    except (ImportError, AttributeError) as e:
-        _clog(f"dummy-init hook not installed: {e!r}")
-
-    sys.argv = ["sglang.benchmark.one_batch"] + list(argv)
-    try:
-        OB.cli_main()
-    finally:
-        _clog("gemm calls (eager + CUDA-graph capture; replays run no Python):", dict(counts) if counts else "none")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -918,7 +475,7 @@ def main(argv=None) -> int:
         parts = []
         for tr in sorted(glob.glob(os.path.join(prof_dir, "*decode*.trace.json*"))):
             try:
-                parts.append(format_kernel_summary(kernel_totals(load_trace(tr)), os.path.basename(tr),
+                parts.append(KT.format_kernel_summary(KT.kernel_totals(KT.load_trace(tr)), os.path.basename(tr),
                                                    steps=args.profile_steps))
             except (OSError, ValueError, KeyError, TypeError) as e:  # a truncated or foreign trace
                 parts.append(f"### {os.path.basename(tr)}: could not summarize: {e!r}")
@@ -943,6 +500,8 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_child":
+        from bench_rollout_child import child_main
+
         child_main(sys.argv[2:])
     else:
         sys.exit(main())

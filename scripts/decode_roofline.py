@@ -66,7 +66,10 @@ import time
 import types
 
 import _paths  # noqa: F401  (scripts/gpu and the checkout on sys.path)
-import bench_rollout as BR  # scripts/bench_rollout.py: configs, bench flags, its child, traces
+import bench_rollout as BR  # scripts/bench_rollout.py: configs, bench flags
+import bench_rollout_child as CHILD  # scripts/bench_rollout_child.py: bench_one_batch with the plugin's hooks
+import bench_rollout_report as BRR  # scripts/bench_rollout_report.py: a bench log's facts
+import kernel_trace as KT  # scripts/kernel_trace.py: a profiler trace's kernels
 import roofline_report as RP  # scripts/roofline_report.py: the report from the raw records
 
 CONFIGS = ["bf16", "fp8_online_blockwise", "fp8_online_blockwise_kv"]
@@ -389,7 +392,7 @@ def child_main(argv: list[str]) -> None:
     from sglang_fp8rl.compat.runtime import one_batch
 
     install_hooks(one_batch(), rec)
-    BR.child_main(argv)
+    CHILD.child_main(argv)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -450,7 +453,7 @@ def read_jsonl(path: str) -> list[dict]:
 
 def collect_run(cfg: str, spec: dict, run: dict, log_text: str, records: list[dict]) -> dict:
     """One config's entry of roofline.json: how its process ended, facts from its log, its records."""
-    info = BR.parse_log(log_text)
+    info = BRR.parse_log(log_text)
     status = "ok" if run["rc"] == 0 else ("timeout" if run["timed_out"] else f"failed rc={run['rc']}")
     return {"config": cfg, "model": spec["model"], "flags": spec["flags"], **run, "status": status,
             "kv_tokens": info["kv_tokens"], "kv_dtype": info["kv_dtype"], "weight_gib": info["weight_gib"],
@@ -460,7 +463,7 @@ def collect_run(cfg: str, spec: dict, run: dict, log_text: str, records: list[di
 def summarize_trace(path: str, steps: int) -> dict:
     """A decode trace's kernels: name -> total us, launches, and its ``steps`` longest launches (lm_head's rule)."""
     kernels: dict[str, dict] = {}
-    for name, dur in BR.kernel_events(BR.load_trace(path)):
+    for name, dur in KT.kernel_events(KT.load_trace(path)):
         k = kernels.setdefault(name, {"us": 0.0, "n": 0, "top_us": []})
         k["us"] += dur
         k["n"] += 1

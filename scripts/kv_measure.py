@@ -70,6 +70,8 @@ DEFAULT_ATTENTION_BACKEND = "triton"
 FLASHINFER_PAGED_ENV = {"SGLANG_FLASHINFER_USE_PAGED": "1"}
 KV_SCALES_FIELD = "kv_scales"  # Fp8rlOptions field of --fp8rl-kv-scales
 KV_SCALES_FLAG = "--fp8rl-kv-scales"
+# what bench_rollout's child says, and its parent looks for, when the installed plugin predates that option
+KV_OPTION_MISSING = f"this sglang-fp8rl has no {KV_SCALES_FLAG} option"
 KV_WRITE_FLAG = "--fp8rl-kv-write"
 _FA3_PROBE = "import sgl_kernel.flash_attn; from sgl_kernel import flash_ops"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import statistics
 
-import bench_rollout as BR  # scripts/bench_rollout.py: the kernel classes of a profiler trace
+import kernel_trace as KT  # scripts/kernel_trace.py: the kernel classes of a profiler trace
 import roofline_model as RM  # scripts/roofline_model.py: bytes, FLOPs, floor
 
 BASE = "bf16"
@@ -178,7 +178,7 @@ def kernel_groups(kernels: dict, steps: int, layers: int) -> dict[str, float]:
     groups = dict.fromkeys(GROUPS, 0.0)
     steps = max(1, int(steps))
     for name, k in kernels.items():
-        group = _GROUP_OF_CLASS.get(BR.classify_kernel(name), "other")
+        group = _GROUP_OF_CLASS.get(KT.classify_kernel(name), "other")
         if group == "other" and _SAMPLING_RE.search(name):
             group = "logits/sampling"
         us = float(k["us"])

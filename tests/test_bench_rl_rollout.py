@@ -21,6 +21,9 @@ from typing import ClassVar
 
 import bench_rl_rollout as RR
 import pytest
+import rollout_report as REP
+import rollout_server as SRV
+import rollout_workload as WL
 from suite_stage import stage_command_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,59 +48,59 @@ def _fixture() -> dict:
 
 def test_lognormal_median_cap_and_seed():
     n = 20001
-    xs = RR.output_lengths(n, "lognormal", 8192, seed=3, median=1500, sigma=1.0)
+    xs = WL.output_lengths(n, "lognormal", 8192, seed=3, median=1500, sigma=1.0)
     assert len(xs) == n and min(xs) >= 1 and max(xs) == 8192
     assert statistics.median(xs) == pytest.approx(1500, rel=0.03)
     # P(L >= cap) = P(Z > ln(8192 / 1500) / sigma)
     p_cap = 0.5 * math.erfc(math.log(8192 / 1500) / math.sqrt(2))
     assert sum(x == 8192 for x in xs) / n == pytest.approx(p_cap, abs=0.01)
-    assert xs == RR.output_lengths(n, "lognormal", 8192, seed=3, median=1500, sigma=1.0)
-    assert xs != RR.output_lengths(n, "lognormal", 8192, seed=4, median=1500, sigma=1.0)
+    assert xs == WL.output_lengths(n, "lognormal", 8192, seed=3, median=1500, sigma=1.0)
+    assert xs != WL.output_lengths(n, "lognormal", 8192, seed=4, median=1500, sigma=1.0)
     # sigma 0: every length is the median; a cap below the median: more than half sit at the cap
-    assert set(RR.output_lengths(50, "lognormal", 8192, 0, median=700, sigma=0.0)) == {700}
-    low = RR.output_lengths(1001, "lognormal", 1000, 0, median=1500, sigma=1.0)
+    assert set(WL.output_lengths(50, "lognormal", 8192, 0, median=700, sigma=0.0)) == {700}
+    low = WL.output_lengths(1001, "lognormal", 1000, 0, median=1500, sigma=1.0)
     assert max(low) == 1000 and statistics.median(low) == 1000 and sum(x == 1000 for x in low) > 500
 
 
 def test_uniform_fixed_and_prompts():
-    u = RR.output_lengths(5000, "uniform", 8192, 0, lo=10, hi=20)
+    u = WL.output_lengths(5000, "uniform", 8192, 0, lo=10, hi=20)
     assert min(u) == 10 and max(u) == 20 and statistics.mean(u) == pytest.approx(15, abs=0.3)
-    assert max(RR.output_lengths(500, "uniform", 15, 0, lo=10, hi=20)) == 15  # capped
-    assert max(RR.output_lengths(500, "uniform", 64, 0, lo=1)) == 64  # hi defaults to the cap
-    assert RR.output_lengths(4, "fixed", 8192, 0, median=1500) == [1500] * 4
-    assert RR.output_lengths(4, "fixed", 1000, 0, fixed=3000) == [1000] * 4
+    assert max(WL.output_lengths(500, "uniform", 15, 0, lo=10, hi=20)) == 15  # capped
+    assert max(WL.output_lengths(500, "uniform", 64, 0, lo=1)) == 64  # hi defaults to the cap
+    assert WL.output_lengths(4, "fixed", 8192, 0, median=1500) == [1500] * 4
+    assert WL.output_lengths(4, "fixed", 1000, 0, fixed=3000) == [1000] * 4
     with pytest.raises(ValueError):
-        RR.output_lengths(4, "pareto", 100, 0)
-    p = RR.prompt_ids(5, 512, seed=7)
+        WL.output_lengths(4, "pareto", 100, 0)
+    p = WL.prompt_ids(5, 512, seed=7)
     assert len(p) == 5 and {len(x) for x in p} == {512}
-    assert all(RR.TOKEN_RANGE[0] <= t < RR.TOKEN_RANGE[1] for x in p for t in x)
-    assert p == RR.prompt_ids(5, 512, seed=7) and p != RR.prompt_ids(5, 512, seed=8)
-    assert p == RR.prompt_ids(5, [512] * 5, seed=7)  # per-prompt lengths: the same ids when they are all equal
-    q = RR.prompt_ids(3, [4, 9, 1], seed=7)
+    assert all(WL.TOKEN_RANGE[0] <= t < WL.TOKEN_RANGE[1] for x in p for t in x)
+    assert p == WL.prompt_ids(5, 512, seed=7) and p != WL.prompt_ids(5, 512, seed=8)
+    assert p == WL.prompt_ids(5, [512] * 5, seed=7)  # per-prompt lengths: the same ids when they are all equal
+    q = WL.prompt_ids(3, [4, 9, 1], seed=7)
     assert [len(x) for x in q] == [4, 9, 1] and q[0] == p[0][:4]
     with pytest.raises(ValueError):
-        RR.prompt_ids(2, [4], seed=7)
+        WL.prompt_ids(2, [4], seed=7)
 
 
 def test_prompt_length_distributions():
     n = 20001
-    xs = RR.input_lengths(n, "lognormal", seed=3, length=2048, sigma=0.5, lo=256, hi=8192)
+    xs = WL.input_lengths(n, "lognormal", seed=3, length=2048, sigma=0.5, lo=256, hi=8192)
     assert statistics.median(xs) == pytest.approx(2048, rel=0.03) and min(xs) >= 256 and max(xs) == 8192
     # P(L > hi) = P(Z > ln(8192 / 2048) / 0.5); P(L < lo) = P(Z < ln(256 / 2048) / 0.5)
     assert sum(x == 8192 for x in xs) / n == pytest.approx(0.5 * math.erfc(math.log(4) / 0.5 / math.sqrt(2)),
                                                           abs=0.002)
     assert sum(x == 256 for x in xs) / n == pytest.approx(0.5 * math.erfc(math.log(8) / 0.5 / math.sqrt(2)),
                                                          abs=0.001)
-    assert xs == RR.input_lengths(n, "lognormal", seed=3, length=2048, sigma=0.5, lo=256, hi=8192)
-    assert xs[:50] != RR.input_lengths(50, "lognormal", seed=4, length=2048, sigma=0.5, lo=256, hi=8192)
-    assert max(RR.input_lengths(500, "lognormal", 0, length=100, sigma=3.0)) > 10_000  # no upper bound given
-    u = RR.input_lengths(3000, "uniform", 0, lo=100, hi=200)
+    assert xs == WL.input_lengths(n, "lognormal", seed=3, length=2048, sigma=0.5, lo=256, hi=8192)
+    assert xs[:50] != WL.input_lengths(50, "lognormal", seed=4, length=2048, sigma=0.5, lo=256, hi=8192)
+    assert max(WL.input_lengths(500, "lognormal", 0, length=100, sigma=3.0)) > 10_000  # no upper bound given
+    u = WL.input_lengths(3000, "uniform", 0, lo=100, hi=200)
     assert min(u) == 100 and max(u) == 200
-    assert RR.input_lengths(3, "fixed", 0, length=77, lo=100, hi=50) == [77] * 3  # bounds are for the draws
+    assert WL.input_lengths(3, "fixed", 0, length=77, lo=100, hi=50) == [77] * 3  # bounds are for the draws
     with pytest.raises(ValueError):
-        RR.input_lengths(3, "uniform", 0, lo=1)
+        WL.input_lengths(3, "uniform", 0, lo=1)
     with pytest.raises(ValueError):
-        RR.input_lengths(3, "pareto", 0)
+        WL.input_lengths(3, "pareto", 0)
 
 
 def test_cli_scales_and_workload():
@@ -110,8 +113,8 @@ def test_cli_scales_and_workload():
         192, "lognormal", 2048, 0.5, 256, 8192)
     assert (g.output_dist, g.output_median, g.output_sigma, g.output_cap) == ("lognormal", 1500, 1.2, 16384)
     # the docstring's token counts of the long scale (seed 0)
-    ins = RR.input_lengths(192, "lognormal", 0, length=2048, sigma=0.5, lo=256, hi=8192)
-    outs = RR.output_lengths(192, "lognormal", 16384, 0, median=1500, sigma=1.2)
+    ins = WL.input_lengths(192, "lognormal", 0, length=2048, sigma=0.5, lo=256, hi=8192)
+    outs = WL.output_lengths(192, "lognormal", 16384, 0, median=1500, sigma=1.2)
     assert (sum(ins), max(ins), sum(outs), sum(x == 16384 for x in outs)) == (449_778, 6091, 533_836, 4)
     g = RR.parse_args(["--scale", "long", "--input-dist", "fixed", "--input-len", "4096", "--output-sigma", "1"])
     assert (g.input_dist, g.input_len, g.output_sigma, g.output_cap) == ("fixed", 4096, 1.0, 16384)
@@ -120,19 +123,19 @@ def test_cli_scales_and_workload():
     s = RR.parse_args(["--scale", "short", "--num-prompts", "300", "--output-cap", "2048"])
     assert (s.num_prompts, s.output_median, s.output_cap) == (300, 1000, 2048)
     assert RR.parse_args(["--model", "qwen3-30b-a3b"]).mem_fraction_static == 0.88
-    w = RR.make_workload(RR.parse_args(FIXTURE_ARGS))
+    w = WL.make_workload(RR.parse_args(FIXTURE_ARGS))
     assert w["max_new_tokens"] == _fixture()["max_new_tokens"]  # deterministic with the seed
     # prompt lengths draw from a stream of their own: a seed's output lengths and first ids stay as they were
-    v = RR.make_workload(RR.parse_args([*FIXTURE_ARGS, "--input-dist", "lognormal", "--input-lo", "8"]))
+    v = WL.make_workload(RR.parse_args([*FIXTURE_ARGS, "--input-dist", "lognormal", "--input-lo", "8"]))
     assert v["max_new_tokens"] == w["max_new_tokens"] and len({len(x) for x in v["input_ids"]}) > 1
     assert v["input_ids"][0][:8] == w["input_ids"][0][:8] and v["input_stats"]["n"] == 8
-    assert "8 prompts x lognormal(median 16, sigma 0.5) at least 8 random token ids" in RR.describe_workload(
+    assert "8 prompts x lognormal(median 16, sigma 0.5) at least 8 random token ids" in WL.describe_workload(
         v["spec"])
     assert len(w["input_ids"]) == 8 and {len(x) for x in w["input_ids"]} == {16}
     assert w["stats"]["total"] == sum(w["max_new_tokens"]) and w["stats"]["max"] == max(w["max_new_tokens"])
-    assert RR.request_body([1, 2], 7) == {"input_ids": [1, 2], "sampling_params": {
+    assert WL.request_body([1, 2], 7) == {"input_ids": [1, 2], "sampling_params": {
         "max_new_tokens": 7, "temperature": 1.0, "ignore_eos": True}}
-    assert "lognormal(median 100, sigma 1) capped at 400" in RR.describe_workload(w["spec"])
+    assert "lognormal(median 100, sigma 1) capped at 400" in WL.describe_workload(w["spec"])
     for bad in (["--extra-args", "nope=--x"], ["--extra-args", "fp8"], ["--num-prompts", "0"],
                 ["--output-dist", "uniform", "--output-lo", "50", "--output-hi", "10"], ["--input-dist", "uniform"],
                 ["--input-lo", "300", "--input-hi", "200"], ["--scale", "long", "--input-sigma", "-1"]):
@@ -246,11 +249,11 @@ def _sglang_log_lines(caplog) -> list[str]:
 def test_decode_lines_of_the_installed_sglang_parse(caplog):
     lines = _sglang_log_lines(caplog)
     assert len(lines) == 4 and lines[0].startswith("Prefill batch") and "cuda graph: False" in lines[0]
-    d = RR.parse_decode_log("\n".join(f"[2026-11-25 10:00:0{i} TP0] {ln}" for i, ln in enumerate(lines)))
+    d = REP.parse_decode_log("\n".join(f"[2026-11-25 10:00:0{i} TP0] {ln}" for i, ln in enumerate(lines)))
     assert (d["decode_batches"], d["no_graph_batches"], d["peak_running"], d["peak_queue"]) == (3, 1, 300, 2)
     assert d["no_graph_share"] == pytest.approx(1 / 3)
     assert d["no_graph_token_share"] == pytest.approx(300 / 596)
-    assert all(RR.keep_lines(ln) == [ln] for ln in lines)
+    assert all(REP.keep_lines(ln) == [ln] for ln in lines)
 
 
 def test_scheduler_startup_line_wording():
@@ -265,25 +268,25 @@ def test_scheduler_startup_line_wording():
     assert '"KV cache pool is full. Retract requests. "' in src
     line = ("[2026-11-25 10:00:03 TP0] max_total_num_tokens=335592, chunked_prefill_size=8192, max_prefill_tokens="
             "16384, max_running_requests=2048, context_len=40960, available_gpu_mem=10.12 GB")
-    info = RR.parse_startup_log(line)
+    info = REP.parse_startup_log(line)
     assert info["kv_tokens"] == 335592 and info["max_running_requests"] == 2048
 
 
 def test_fixture_logs_parse():
     cfg = _fixture()["configs"]
-    bf16 = RR.parse_startup_log("\n".join(cfg["bf16"]["startup_log"]))
+    bf16 = REP.parse_startup_log("\n".join(cfg["bf16"]["startup_log"]))
     assert bf16["kv_tokens"] == 335592 and bf16["kv_dtype"] == "torch.bfloat16" and bf16["weight_gib"] == 15.26
-    kv = RR.parse_startup_log("\n".join(cfg["fp8_kv"]["startup_log"]))
+    kv = REP.parse_startup_log("\n".join(cfg["fp8_kv"]["startup_log"]))
     assert kv["kv_tokens"] == 784960 and kv["kv_dtype"] == "torch.float8_e4m3fn" and kv["fp8rl"]
     # bf16: running 8 8 8 6 6 4 3 2 1 1, the first five without a graph; the prefill line's "cuda graph" not counted
-    d = RR.parse_decode_log("\n".join(cfg["bf16"]["run_log"]))
+    d = REP.parse_decode_log("\n".join(cfg["bf16"]["run_log"]))
     assert (d["decode_batches"], d["no_graph_batches"], d["decode_tokens"], d["no_graph_tokens"]) == (10, 5, 47, 36)
     assert d["no_graph_share"] == 0.5 and d["no_graph_token_share"] == pytest.approx(36 / 47)
     assert d["peak_running"] == 8 and d["peak_queue"] == 2
-    assert RR.parse_retractions("\n".join(cfg["bf16"]["run_log"])) == {"retract_events": 1, "retracted_reqs": 2}
-    assert RR.parse_decode_log("")["no_graph_share"] is None and RR.parse_decode_log("")["peak_running"] is None
-    assert RR.graph_max_bs({"cuda_graph_config": {"decode": {"max_bs": 256}}}) == 256
-    assert RR.graph_max_bs({"cuda_graph_max_bs_decode": 160}) == 160 and RR.graph_max_bs({}) is None
+    assert REP.parse_retractions("\n".join(cfg["bf16"]["run_log"])) == {"retract_events": 1, "retracted_reqs": 2}
+    assert REP.parse_decode_log("")["no_graph_share"] is None and REP.parse_decode_log("")["peak_running"] is None
+    assert REP.graph_max_bs({"cuda_graph_config": {"decode": {"max_bs": 256}}}) == 256
+    assert REP.graph_max_bs({"cuda_graph_max_bs_decode": 160}) == 160 and REP.graph_max_bs({}) is None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -291,7 +294,7 @@ def test_fixture_logs_parse():
 
 
 def test_report_matches_hand_computed_values():
-    res = RR.build_report(_fixture()["configs"], 8)
+    res = REP.build_report(_fixture()["configs"], 8)
     b, f, k = res["bf16"], res["fp8"], res["fp8_kv"]
     # bf16 completion times sorted: 2.0 2.5 3.0 3.5 6.0 8.0 9.5 10.0; 1434 tokens
     assert b["makespan_s"] == 10.0 and b["complete"] and b["done"] == 8
@@ -323,33 +326,33 @@ def test_baseline_is_the_faster_bf16():
     """Ratios against the faster of bf16 and bf16_graphs512 (whichever is listed first), the only one of them that
     ran, a finished one over one that did not finish, else the first config."""
     cfg = _long_fixture()["configs"]
-    res = RR.build_report({n: cfg[n] for n in ("fp8", "bf16", "bf16_graphs512", "fp8_kv")}, 6)
+    res = REP.build_report({n: cfg[n] for n in ("fp8", "bf16", "bf16_graphs512", "fp8_kv")}, 6)
     assert {r["baseline"] for r in res.values()} == {"bf16_graphs512"}
     # bf16 150 s, bf16_graphs512 120 s, fp8 96 s, fp8_kv 75 s
     assert res["fp8"]["vs_base"]["speedup"] == pytest.approx(1.25)
     assert res["fp8_kv"]["vs_base"]["speedup"] == pytest.approx(1.6)
     assert res["bf16"]["vs_base"]["speedup"] == pytest.approx(0.8) and res["bf16_graphs512"]["vs_base"]["p50"] == 1.0
     assert res["fp8_kv"]["vs_base"]["kv_tokens"] == pytest.approx(811924 / 357376)
-    pick = RR.pick_baseline(res)
+    pick = REP.pick_baseline(res)
     assert pick["candidates"] == {"bf16": 150.0, "bf16_graphs512": 120.0}
     assert pick["why"] == "the faster BF16: bf16 150.0 s, bf16_graphs512 120.0 s"
     # bf16 faster: it is the baseline
     slow = {**cfg["bf16_graphs512"], "requests": [dict(r, done_s=r["done_s"] * 2) for r in cfg["bf16_graphs512"]
                                                   ["requests"]]}
-    res = RR.build_report({"bf16_graphs512": slow, "bf16": cfg["bf16"], "fp8": cfg["fp8"]}, 6)
+    res = REP.build_report({"bf16_graphs512": slow, "bf16": cfg["bf16"], "fp8": cfg["fp8"]}, 6)
     assert res["fp8"]["baseline"] == "bf16" and res["fp8"]["vs_base"]["speedup"] == pytest.approx(150 / 96)
     # the faster one did not finish: the finished one is the baseline
     cut = {**cfg["bf16_graphs512"], "requests": [dict(r, ok=False) if r["i"] == 2 else r for r in
                                                  cfg["bf16_graphs512"]["requests"]]}
-    res = RR.build_report({"bf16": cfg["bf16"], "bf16_graphs512": cut, "fp8": cfg["fp8"]}, 6)
-    assert res["fp8"]["baseline"] == "bf16" and "bf16_graphs512 did not finish" in RR.pick_baseline(res)["why"]
+    res = REP.build_report({"bf16": cfg["bf16"], "bf16_graphs512": cut, "fp8": cfg["fp8"]}, 6)
+    assert res["fp8"]["baseline"] == "bf16" and "bf16_graphs512 did not finish" in REP.pick_baseline(res)["why"]
     # one BF16 config, listed last; no BF16 config at all: the first config
-    res = RR.build_report({"fp8": cfg["fp8"], "bf16_graphs512": cfg["bf16_graphs512"]}, 6)
+    res = REP.build_report({"fp8": cfg["fp8"], "bf16_graphs512": cfg["bf16_graphs512"]}, 6)
     assert res["fp8"]["vs_base"]["speedup"] == pytest.approx(1.25)
-    assert RR.pick_baseline(res)["why"] == "the only one of bf16 / bf16_graphs512 that ran"
-    res = RR.build_report({"fp8_kv": cfg["fp8_kv"], "fp8": cfg["fp8"]}, 6)
+    assert REP.pick_baseline(res)["why"] == "the only one of bf16 / bf16_graphs512 that ran"
+    res = REP.build_report({"fp8_kv": cfg["fp8_kv"], "fp8": cfg["fp8"]}, 6)
     assert res["fp8"]["baseline"] == "fp8_kv" and res["fp8"]["vs_base"]["speedup"] == pytest.approx(75 / 96)
-    assert RR.pick_baseline({})["config"] is None
+    assert REP.pick_baseline({})["config"] is None
 
 
 def test_partial_failed_and_skipped_configs():
@@ -361,17 +364,17 @@ def test_partial_failed_and_skipped_configs():
                  "server_info": {"max_total_num_tokens": 1000, "max_running_requests": 7}},
         "fp8": {"flags": ["--quantization", "fp8_online_blockwise"], "status": "skipped (deadline)", "requests": []},
     }
-    res = RR.build_report(records, 3)
+    res = REP.build_report(records, 3)
     b = res["bf16"]
     assert (b["done"], b["failed"], b["complete"], b["makespan_s"], b["output_tok_s"]) == (2, 1, False, 4.0, 7.5)
     assert b["kv_tokens"] == 1000 and b["max_running_requests"] == 7  # from /server_info when the log lacks them
     assert b["errors"] == ["not done within the run timeout (5 s)"]
     assert res["fp8"]["makespan_s"] is None and res["fp8"]["vs_base"]["speedup"] is None
-    meta = {"model_desc": "x", "workload_desc": "y", "lengths": RR.length_stats([10, 20, 30], 30)}
-    text = RR.format_summary(res, meta)
+    meta = {"model_desc": "x", "workload_desc": "y", "lengths": WL.length_stats([10, 20, 30], 30)}
+    text = REP.format_summary(res, meta)
     assert "| bf16 | 2/3 (1 requests failed or timed out) | > 5.0 |" in text
     assert "| fp8 | 0/3 (skipped (deadline)) | — |" in text
-    assert RR.completion_curve(records["bf16"]["requests"]) == ([2.0, 4.0], [1, 2])
+    assert REP.completion_curve(records["bf16"]["requests"]) == ([2.0, 4.0], [1, 2])
 
 
 class _FakeAx:
@@ -515,7 +518,7 @@ def fake_server():
 def test_submit_all_records_each_completion(fake_server):
     # the delays are far apart (2 s against at most 0.15 s), so a loaded machine cannot reorder them
     wl = {"input_ids": [[i, i + 1] for i in range(12)], "max_new_tokens": [2000, 20, 150, 60] * 3}
-    recs, run_s = RR.submit_all(fake_server, wl, timeout_s=30)
+    recs, run_s = SRV.submit_all(fake_server, wl, timeout_s=30)
     assert len(recs) == 12 and all(r["ok"] for r in recs) and run_s < 20
     assert [r["output_tokens"] for r in recs] == wl["max_new_tokens"] and {r["finish"] for r in recs} == {"length"}
     # submitted at once: every request finishes after its own delay, the longest last
@@ -535,10 +538,10 @@ def test_submit_all_stops_at_the_run_timeout(fake_server):
         stopped.append(time.perf_counter())
         _Generate.release.set()  # the "server" goes away: open requests end
 
-    recs, run_s = RR.submit_all(fake_server, wl, timeout_s=1.0, on_timeout=stop)
+    recs, run_s = SRV.submit_all(fake_server, wl, timeout_s=1.0, on_timeout=stop)
     assert stopped and 1.0 <= run_s < 5
     assert recs[0]["ok"] and recs[1]["ok"] and not recs[2]["ok"] and "503" in recs[2]["error"]
-    s = RR.summarize_requests(recs, 3)
+    s = REP.summarize_requests(recs, 3)
     assert (s["done"], s["complete"], s["output_tokens"]) == (2, False, 30)
 
 
@@ -642,7 +645,7 @@ def test_main_runs_servers_and_replays_its_answers(tmp_path, monkeypatch, capsys
     assert b["flags"][-2:] == ["--attention-backend", "triton"]
     assert (b["kv_tokens"], f["kv_tokens"], b["max_running_requests"], b["graph_max_bs"]) == (1000, 2000, 8, 4)
     assert b["decode_batches"] == 6 and b["peak_running"] >= 2 and f["vs_base"]["kv_tokens"] == 2.0
-    lens = RR.make_workload(RR.parse_args(wl))["max_new_tokens"]
+    lens = WL.make_workload(RR.parse_args(wl))["max_new_tokens"]
     assert b["output_tokens"] == f["output_tokens"] == sum(lens)
     assert b["makespan_s"] >= max(lens) / 1000.0 and f["makespan_s"] >= max(lens) / 2000.0
     assert "(triton: no FA3)" in (out / "summary.md").read_text()
@@ -660,10 +663,10 @@ def test_percentiles_count_unfinished_requests_as_later_than_every_finished_one(
     """A run cut short (10 planned, 8 done): p50 is the finished requests' median rank, p90 lands on an unfinished
     request and is unknown, never the largest finished time."""
     done = [float(x) for x in range(1, 9)]
-    assert RR.completion_percentile(done, 8, 50) == 4.5
-    assert RR.completion_percentile(done, 10, 50) == 5.5  # numpy rank 4.5 of 10: between the 5th and 6th
-    assert RR.completion_percentile(done, 10, 90) is None
-    assert RR.completion_percentile([], 10, 50) is None
+    assert REP.completion_percentile(done, 8, 50) == 4.5
+    assert REP.completion_percentile(done, 10, 50) == 5.5  # numpy rank 4.5 of 10: between the 5th and 6th
+    assert REP.completion_percentile(done, 10, 90) is None
+    assert REP.completion_percentile([], 10, 50) is None
 
 
 def test_gpus_run_a_waves_configs_side_by_side_one_per_gpu(tmp_path, monkeypatch, capsys):
@@ -749,4 +752,4 @@ def test_decode_steps_by_running_requests():
     assert RG.format_regimes({"bf16": {}}) == ""
     # with DP attention SGLang names the rank ("Decode batch [0]"), as the graph-share parser of the report reads it
     dp = line(2, 100.0).replace("Decode batch,", "Decode batch [0],")
-    assert RG.decode_steps([dp]) == [(2, 0.02)] and RR.parse_decode_log(dp)["peak_running"] == 2
+    assert RG.decode_steps([dp]) == [(2, 0.02)] and REP.parse_decode_log(dp)["peak_running"] == 2

@@ -14,6 +14,7 @@ import types
 
 import bench_rollout as BR
 import decode_roofline as DR
+import kernel_trace as KT
 import make_models as MM
 import pytest
 import roofline_model as RM
@@ -270,7 +271,7 @@ def test_kernel_groups():
     ("void deep_gemm::sm90_fp8_gemm_1d2d_impl<(cute::UMMA::Major)0>", "fp8 gemm"),
 ])
 def test_kernel_classes_extended_for_fp8_names(name, cls):
-    assert BR.classify_kernel(name) == cls
+    assert KT.classify_kernel(name) == cls
 
 
 def test_trace_summary_and_profile_collection(tmp_path):

@@ -14,6 +14,8 @@ from fractions import Fraction
 import accuracy_kv as AK
 import accuracy_regression as AR
 import bench_rollout as BR
+import bench_rollout_child as CHILD
+import bench_rollout_report as BRR
 import kv_drift as D
 import kv_measure as KV
 import pytest
@@ -133,11 +135,11 @@ def test_parse_rows_from_log_assigns_output_lengths():
     text = (row(64, 1.0) + "Benchmark ...\n" + row(64, 100.0) + row(64, 101.0)
             + "skipping (128, 512, 256) due to max batch size limit\n" + row(128, 200.0))
     sweep = BR.sweep_order([64, 128], [256, 1024])
-    rows = BR.parse_rows_from_log(text, sweep)
+    rows = BRR.parse_rows_from_log(text, sweep)
     assert [(r["batch_size"], r["output_len"], r["median_decode_throughput"]) for r in rows] == [
         (64, 256, 100.0), (64, 1024, 101.0), (128, 1024, 200.0)]
-    assert "output_len" not in BR.parse_rows_from_log(text)[0]  # without a sweep: as before
-    info = BR.parse_log(text)
+    assert "output_len" not in BRR.parse_rows_from_log(text)[0]  # without a sweep: as before
+    info = BRR.parse_log(text)
     assert info["skipped"] == [[128, 256]] and info["skipped_bs"] == [128] and info["kv_recal_ms"] == []
 
 
@@ -184,16 +186,16 @@ def test_dry_run_flashinfer_kv(capsys):
 def test_child_stops_a_config_that_needs_the_missing_option(monkeypatch, capsys):
     argv = ["--kv-cache-dtype", "fp8_e4m3", "--fp8rl-kv-scales", "static"]
     assert KV.kv_scales_supported()  # this checkout has the option
-    BR._check_kv_scales_option(argv)
+    CHILD._check_kv_scales_option(argv)
     monkeypatch.setattr(KV, "kv_scales_supported", lambda: False)
     with pytest.raises(SystemExit) as e:
-        BR._check_kv_scales_option(argv)
-    assert e.value.code == 3 and BR.KV_OPTION_MISSING in capsys.readouterr().out
-    BR._check_kv_scales_option(argv[:2])
+        CHILD._check_kv_scales_option(argv)
+    assert e.value.code == 3 and KV.KV_OPTION_MISSING in capsys.readouterr().out
+    CHILD._check_kv_scales_option(argv[:2])
     out = capsys.readouterr().out
     assert "WARNING" in out and "static scale 1.0" in out
-    assert BR.parse_log(out)["kv_option_missing"]
-    BR._check_kv_scales_option(["--quantization", "fp8"])  # no FP8 cache: nothing to say
+    assert BRR.parse_log(out)["kv_option_missing"]
+    CHILD._check_kv_scales_option(["--quantization", "fp8"])  # no FP8 cache: nothing to say
     assert capsys.readouterr().out == ""
 
 

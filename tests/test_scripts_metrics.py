@@ -11,7 +11,9 @@ import sys
 
 import accuracy_regression as AR
 import bench_rollout as BR
+import bench_rollout_report as BRR
 import bench_startup as BS
+import kernel_trace as KT
 import make_models as MM
 import pytest
 import train_toy_policy as TT
@@ -185,7 +187,7 @@ LOG = """\
 
 
 def test_parse_log_facts_and_rows():
-    info = BR.parse_log(LOG)
+    info = BRR.parse_log(LOG)
     assert info["weight_gib"] == pytest.approx(8.81)
     assert info["kv_tokens"] == 335592
     assert info["kv_dtype"] == "torch.bfloat16"
@@ -194,7 +196,7 @@ def test_parse_log_facts_and_rows():
     assert "deepgemm block" in info["gemm_calls"]
     assert info["skipped_bs"] == [256]
     assert info["error_tail"] == []
-    rows = BR.parse_rows_from_log(LOG)
+    rows = BRR.parse_rows_from_log(LOG)
     assert len(rows) == 1  # the warmup pass is not a result
     assert rows[0]["batch_size"] == 64 and rows[0]["median_decode_throughput"] == 8245.0
     assert rows[0]["prefill_throughput"] == 66718.0 and rows[0]["overall_throughput"] == 11828.0
@@ -203,7 +205,7 @@ def test_parse_log_facts_and_rows():
 def test_parse_log_kv_fallback_and_traceback():
     text = ("KV Cache is allocated. dtype: torch.bfloat16, #tokens: 1234, KV size: 1.00 GB\n"
             "Traceback (most recent call last):\n  File x\nRuntimeError: boom\n")
-    info = BR.parse_log(text)
+    info = BRR.parse_log(text)
     assert info["kv_tokens"] == 1234 and info["weight_gib"] is None
     assert info["error_tail"][0].startswith("Traceback") and info["error_tail"][-1] == "RuntimeError: boom"
 
@@ -222,14 +224,14 @@ def test_ratios_targets_and_summary():
         "block_prequant": {"rc": 0, "rows": [_row(64, 66700, 8245, 19828), _row(128, 65053, 9431, 21871)]},
         "fp8_channel": {"rc": 1, "rows": [], "status": "failed rc=1", "skipped_bs": []},
     }
-    best = BR.last_pass(results)
-    assert BR.ratio(best, "fp8_online_blockwise", "bf16", 128, "decode") == pytest.approx(13500 / 9450)
-    assert BR.ratio(best, "fp8_online_blockwise", "fp8_channel", 128, "decode") is None
-    t = {(x["num"], x["den"], x["metric"], x["bs"]): x for x in BR.check_targets(best)}
+    best = BRR.last_pass(results)
+    assert BRR.ratio(best, "fp8_online_blockwise", "bf16", 128, "decode") == pytest.approx(13500 / 9450)
+    assert BRR.ratio(best, "fp8_online_blockwise", "fp8_channel", 128, "decode") is None
+    t = {(x["num"], x["den"], x["metric"], x["bs"]): x for x in BRR.check_targets(best)}
     assert t[("fp8_online_blockwise", "bf16", "decode", 128)]["status"] == "PASS"  # 1.429 >= 1.40
     assert t[("fp8_online_blockwise", "block_prequant", "prefill", 64)]["status"] == "FAIL"  # 60000 / 66700
     assert t[("fp8_online_blockwise", "block_prequant", "decode", 64)]["status"] == "PASS"  # 8250 / 8245
-    text = BR.format_summary(results, {"model_desc": "Qwen3-8B-shaped", "input_len": 512, "output_len": 1024,
+    text = BRR.format_summary(results, {"model_desc": "Qwen3-8B-shaped", "input_len": 512, "output_len": 1024,
                                        "batch_sizes": [64, 128]})
     assert "| fp8_online_blockwise | 128 | 65,000 | 13,500 |" in text
     assert "| fp8_channel | 64 | failed rc=1 |" in text
@@ -240,7 +242,7 @@ def test_ratios_targets_and_summary():
 def test_ratio_target_threshold_edges():
     results = {"fp8_online_blockwise": {"rows": [_row(64, 98, 98, 1)]},
                "block_prequant": {"rows": [_row(64, 100, 100, 1)]}}
-    t = BR.check_targets(BR.last_pass(results))
+    t = BRR.check_targets(BRR.last_pass(results))
     by = {(x["metric"], x["den"]): x for x in t}
     assert by[("decode", "block_prequant")]["status"] == "PASS"  # 0.98 >= 0.98
     assert by[("decode", "bf16")]["status"] == "n/a"
@@ -248,16 +250,16 @@ def test_ratio_target_threshold_edges():
 
 def test_last_pass_takes_the_repeat():
     results = {"bf16": {"rows": [_row(64, 1, 1, 1), _row(128, 1, 1, 1), _row(64, 2, 2, 2)]}}
-    assert BR.last_pass(results)[("bf16", 64)]["prefill_throughput"] == 2
+    assert BRR.last_pass(results)[("bf16", 64)]["prefill_throughput"] == 2
 
 
 def test_kernel_classes_and_trace_summary(tmp_path):
-    assert BR.classify_kernel("void deep_gemm::sm90_fp8_gemm_1d2d_impl<...>") == "fp8 gemm"
-    assert BR.classify_kernel("_per_token_group_quant_fp8") == "act quant"
-    assert BR.classify_kernel("_fwd_kernel_stage1") == "attention"
-    assert BR.classify_kernel("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "gemm (bf16)"
-    assert BR.classify_kernel("void flashinfer::norm::FusedAddRMSNormKernel") == "norm/rope/act"
-    assert BR.classify_kernel("memcpy_thing") == "other"
+    assert KT.classify_kernel("void deep_gemm::sm90_fp8_gemm_1d2d_impl<...>") == "fp8 gemm"
+    assert KT.classify_kernel("_per_token_group_quant_fp8") == "act quant"
+    assert KT.classify_kernel("_fwd_kernel_stage1") == "attention"
+    assert KT.classify_kernel("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "gemm (bf16)"
+    assert KT.classify_kernel("void flashinfer::norm::FusedAddRMSNormKernel") == "norm/rope/act"
+    assert KT.classify_kernel("memcpy_thing") == "other"
     trace = {"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": "void deep_gemm::sm90_fp8_gemm_1d2d_impl", "dur": 300.0},
         {"ph": "X", "cat": "kernel", "name": "void deep_gemm::sm90_fp8_gemm_1d2d_impl", "dur": 300.0},
@@ -268,12 +270,12 @@ def test_kernel_classes_and_trace_summary(tmp_path):
     p = tmp_path / "x_decode.trace.json.gz"
     with gzip.open(p, "wt") as f:
         json.dump(trace, f)
-    tot = BR.kernel_totals(BR.load_trace(str(p)))
+    tot = KT.kernel_totals(KT.load_trace(str(p)))
     assert tot == {"void deep_gemm::sm90_fp8_gemm_1d2d_impl": [600.0, 2], "_per_token_group_quant_fp8": [100.0, 1]}
-    s = BR.format_kernel_summary(tot, "x", steps=2)
+    s = KT.format_kernel_summary(tot, "x", steps=2)
     assert "0.350 ms GPU kernel time per decode step" in s
     assert "fp8 gemm 85.7%" in s
-    assert "no GPU kernel events" in BR.format_kernel_summary({}, "y")
+    assert "no GPU kernel events" in KT.format_kernel_summary({}, "y")
 
 
 def test_cli_defaults_and_moe():
@@ -463,7 +465,7 @@ def test_run_config_streams_log_and_enforces_timeout(tmp_path):
     code = f"import sys; sys.stdout.write({LOG!r})"
     r = BR.run_config("x", [sys.executable, "-c", code], dict(os.environ), str(log), timeout_s=60)
     assert r["rc"] == 0 and not r["timed_out"]
-    assert BR.parse_log(log.read_text())["kv_tokens"] == 335592
+    assert BRR.parse_log(log.read_text())["kv_tokens"] == 335592
     r = BR.run_config("y", [sys.executable, "-c", "import time; print('hi', flush=True); time.sleep(60)"],
                       dict(os.environ), str(tmp_path / "b.log"), timeout_s=2)
     assert r["timed_out"] and r["rc"] != 0 and r["wall_s"] < 30

@@ -37,9 +37,12 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/
 import _paths  # noqa: E402,F401  (scripts/gpu and the checkout on sys.path)
-import bench_rl_rollout as RL  # noqa: E402  (scripts/bench_rl_rollout.py: configs, command lines, requests)
+import bench_rl_rollout as RL  # noqa: E402  (scripts/bench_rl_rollout.py: configs, command lines)
+import kernel_trace as KT  # noqa: E402  (scripts/kernel_trace.py: a profiler trace read)
 import kv_measure as KV  # noqa: E402  (scripts/kv_measure.py: the FA3 import probe)
 import rollout_regimes as RG  # noqa: E402  (scripts/rollout_regimes.py: step times of the decode log lines)
+import rollout_server as SRV  # noqa: E402  (scripts/rollout_server.py: the batch submitted at once)
+import rollout_workload as WL  # noqa: E402  (scripts/rollout_workload.py: random prompt ids)
 import server_io  # noqa: E402  (scripts/gpu/server_io.py: health, URLs)
 import step_trace as ST  # noqa: E402  (scripts/gpu/step_trace.py: the trace analysis)
 
@@ -146,12 +149,12 @@ def profile_body(prof_dir: str, args: argparse.Namespace, profile_id: str) -> di
 def start_requests(base_url: str, args: argparse.Namespace, timeout_s: float) -> tuple[threading.Thread, dict]:
     """The batch in a thread (bench_rl_rollout.submit_all: one request thread each, temperature 1, ignore_eos); the
     dict gets 'requests' when they end."""
-    workload = {"input_ids": RL.prompt_ids(args.batch, args.prompt_len, args.seed),
+    workload = {"input_ids": WL.prompt_ids(args.batch, args.prompt_len, args.seed),
                 "max_new_tokens": [args.new_tokens] * args.batch}
     box: dict[str, Any] = {}
 
     def run() -> None:
-        box["requests"], box["run_s"] = RL.submit_all(base_url, workload, timeout_s)
+        box["requests"], box["run_s"] = SRV.submit_all(base_url, workload, timeout_s)
 
     th = threading.Thread(target=run, daemon=True)
     th.start()
@@ -196,7 +199,7 @@ def profile_running_server(item: dict, args: argparse.Namespace, out: str, log_p
         rec["status"] = "no trace file before the timeout"
         return
     rec["trace"] = os.path.relpath(path, out)
-    rec["analysis"] = ST.analyze(RL.BR.load_trace(path), batch=args.batch, layers=args.layers, gap_us=args.gap_us,
+    rec["analysis"] = ST.analyze(KT.load_trace(path), batch=args.batch, layers=args.layers, gap_us=args.gap_us,
                                  cluster_gap_us=args.cluster_gap_us, top=args.top)
     rec["status"] = "ok"
 
