@@ -13,7 +13,7 @@ import time
 
 import bench_rollout_report as BRR  # scripts/bench_rollout_report.py: start-up log parsing
 import rollout_regimes as RG  # scripts/rollout_regimes.py: decode steps by running requests
-from accuracy_regression import percentile  # numpy-style linear-interpolation percentile
+from accuracy_metrics import percentile  # numpy-style linear-interpolation percentile
 
 BF16_BASELINES = ("bf16", "bf16_graphs512")  # the ratios' denominator: the faster of these that ran
 _DECODE_RE = re.compile(RG.DECODE_LINE + r".*?\b(?:cuda|cpu|npu|musa) graph: (True|False)(?:.*?#queue-req: (\d+))?")

@@ -7,7 +7,7 @@ import argparse
 import math
 import random
 
-from accuracy_regression import percentile  # numpy-style linear-interpolation percentile
+from accuracy_metrics import percentile  # numpy-style linear-interpolation percentile
 
 # a workload flag left unset takes its scale's value, else its WORKLOAD_DEFAULTS value
 SCALES = {"full": {"num_prompts": 384, "output_median": 1500, "output_cap": 8192},

@@ -14,6 +14,7 @@ import types
 
 import bench_rollout as BR
 import decode_roofline as DR
+import decode_roofline_child as DRC
 import kernel_trace as KT
 import make_models as MM
 import pytest
@@ -359,7 +360,7 @@ def _args(bs, il, ol=9, **kw):
 
 
 def test_recorder_cells(tmp_path):
-    rec = DR.Recorder({"records": str(tmp_path / "r.jsonl"), "profile_cells": [[8, 4096]],
+    rec = DRC.Recorder({"records": str(tmp_path / "r.jsonl"), "profile_cells": [[8, 4096]],
                        "check_cells": [[8, 4096]], "b2b_timings": 3})
     warm = rec.start(_args(1, 1024, ol=9))
     assert warm["warmup"] and warm["b2b_at"] == [] and not warm["profiled"]
@@ -391,11 +392,11 @@ def test_patched_restores_instance_attributes():
             return "class"
 
     r = Runner()
-    with DR.patched(r, forward=lambda: "hook"):
+    with DRC.patched(r, forward=lambda: "hook"):
         assert r.forward() == "hook"
     assert r.forward() == "class" and "forward" not in r.__dict__
     r.forward = lambda: "instance"
-    with DR.patched(r, forward=lambda: "hook"):
+    with DRC.patched(r, forward=lambda: "hook"):
         assert r.forward() == "hook"
     assert r.forward() == "instance"
 
@@ -462,9 +463,9 @@ def test_hooks_drive_bench_one_batchs_cells(tmp_path):
         return {"median_decode_latency": 0.01}
 
     ob = types.SimpleNamespace(latency_test_run_once=run_once, extend=None, decode=None)
-    rec = DR.Recorder({"records": str(tmp_path / "r.jsonl"), "check_cells": [[8, 4096]],
+    rec = DRC.Recorder({"records": str(tmp_path / "r.jsonl"), "check_cells": [[8, 4096]],
                        "profile_cells": [[8, 4096]]})
-    DR.install_hooks(ob, rec)
+    DRC.install_hooks(ob, rec)
     runner = _runner(10**6)
     for bs, il in ((1, 1024), (8, 1024), (8, 4096)):
         assert ob.latency_test_run_once("x", runner, bs, il, 9, profile=True) == {"median_decode_latency": 0.01}

@@ -11,6 +11,7 @@ import sys
 import bench_update
 import pytest
 import torch
+import update_bench_report
 
 from sglang_fp8rl import demo, demo_common
 
@@ -206,11 +207,11 @@ def test_bench_update_helpers():
     import math
 
     shapes = qwen3_8b_shapes()
-    ps = bench_update.payload_stats(shapes)
+    ps = update_bench_report.payload_stats(shapes)
     assert ps["largest_bytes"] == 151936 * 4096 * 2 and ps["tensors"] == 3 + 11 * 36
     assert 16e9 < ps["bytes"] < 17e9
-    moved = bench_update.apply_bytes(shapes)
-    lin = sum(math.prod(shapes[n]) for n in bench_update.linear_names(shapes))
+    moved = update_bench_report.apply_bytes(shapes)
+    lin = sum(math.prod(shapes[n]) for n in update_bench_report.linear_names(shapes))
     assert moved["quant_read"] == 2 * lin and lin < moved["quant_write"] < lin * 1.01
     res = {"model": "qwen3-8b", "payload": ps, "bucket_mb": 512, "d2d_copy_GBps": 2900.0, "engines": {
         "bf16": {"tensor": {"timed_s": [2.0, 2.0], "mean_s": 2.0, "peak_extra_first_bytes": 0}},
@@ -218,37 +219,38 @@ def test_bench_update_helpers():
                            "server_telemetry": {"validate_s": 1.0, "apply_s": 0.1}, "apply_GBps": 250.0,
                            "apply_vs_d2d": 0.09}},
     }}
-    res["targets"] = bench_update.targets(res)
+    res["targets"] = update_bench_report.targets(res)
     assert any("1.20x -> FAIL" in t for t in res["targets"])
     assert any("(tensor): 2.000 GB vs 1.245 GB -> FAIL (device-wide polling" in t for t in res["targets"])
     assert any("(disk): UNKNOWN" in t for t in res["targets"])
     assert any(t.startswith("FP8 prequant <= 0.80x BF16 tensor: UNKNOWN") for t in res["targets"])
     assert any("FP8 apply >= 50% of copy bandwidth (tensor): 9% -> FAIL" in t for t in res["targets"])
-    md = bench_update.render(res)
+    md = update_bench_report.render(res)
     assert "| fp8 | tensor |" in md and "250 (0.09x)" in md
-    s = bench_update.sum_bucket_stats([{"ok": True, "tensors": 2, "apply_s": 0.5, "fp8_layers_written": {"block": 2}},
-                                       {"ok": True, "tensors": 1, "apply_s": 0.25, "fp8_layers_written": {"block": 1}}])
+    s = update_bench_report.sum_bucket_stats(
+        [{"ok": True, "tensors": 2, "apply_s": 0.5, "fp8_layers_written": {"block": 2}},
+         {"ok": True, "tensors": 1, "apply_s": 0.25, "fp8_layers_written": {"block": 1}}])
     assert s["tensors"] == 3 and s["apply_s"] == 0.75 and s["fp8_layers_written"] == {"block": 3}
 
 
 def test_bench_update_prequant_bytes_and_bandwidth():
     """A pre-quantized update copies codes and scales (read = write); BF16 in reads twice what FP8 writes."""
     shapes = qwen3_8b_shapes()
-    bf16_in, pre = bench_update.apply_bytes(shapes), bench_update.apply_bytes(shapes, prequant=True)
+    bf16_in, pre = update_bench_report.apply_bytes(shapes), update_bench_report.apply_bytes(shapes, prequant=True)
     assert pre["quant_read"] == pre["quant_write"] == bf16_in["quant_write"]
     assert pre["bf16_copy_rw"] == bf16_in["bf16_copy_rw"] and pre["total"] < bf16_in["total"]
     rec = {"server_telemetry": {"apply_s": 0.5}}
-    bench_update.apply_bandwidth(rec, {"total": 10**9}, 2000.0)
+    update_bench_report.apply_bandwidth(rec, {"total": 10**9}, 2000.0)
     assert rec["apply_GBps"] == 2.0 and rec["apply_vs_d2d"] == 0.001 and rec["apply_bytes"] == {"total": 10**9}
     rec = {"server_telemetry": None}
-    bench_update.apply_bandwidth(rec, {"total": 10**9}, 2000.0)
+    update_bench_report.apply_bandwidth(rec, {"total": 10**9}, 2000.0)
     assert "apply_GBps" not in rec
 
 
 def test_bench_update_targets_for_every_path():
     """Ratios against the issue-16 targets, the allocator-rounded memory bound, the apply bandwidth, the atomic
     step's cost, and a table row per measured path."""
-    ps = bench_update.payload_stats(qwen3_8b_shapes())
+    ps = update_bench_report.payload_stats(qwen3_8b_shapes())
     embed = ps["largest_bytes"]
     res = {"model": "qwen3-8b", "payload": ps, "bucket_mb": 512, "d2d_copy_GBps": 3000.0, "engines": {
         "bf16": {"tensor": {"timed_s": [0.3], "mean_s": 0.30}, "disk": {"timed_s": [2.0], "mean_s": 2.0}},
@@ -262,10 +264,10 @@ def test_bench_update_targets_for_every_path():
                              "peak_extra_first_bytes": 2 * 10**9},
                 "disk": {"timed_s": [2.8], "mean_s": 2.8, "server_telemetry": {"validate_s": 1.1, "apply_s": 1.2}}},
     }}
-    r = bench_update.ratios(res)
+    r = update_bench_report.ratios(res)
     assert r["tensor"] == pytest.approx(0.32 / 0.30) and r["prequant"] == pytest.approx(0.2 / 0.3)
     assert r["disk"] == pytest.approx(1.4) and r["atomic_vs_fp8_tensor"] == pytest.approx(1.25)
-    lines = bench_update.targets(res)
+    lines = update_bench_report.targets(res)
     assert "FP8 tensor <= 1.10x BF16 tensor: 0.32 s / 0.30 s = 1.07x -> PASS" in lines
     assert "FP8 prequant <= 0.80x BF16 tensor: 0.20 s / 0.30 s = 0.67x -> PASS" in lines
     assert "FP8 disk <= 1.30x BF16 disk: 2.80 s / 2.00 s = 1.40x -> FAIL" in lines
@@ -279,7 +281,7 @@ def test_bench_update_targets_for_every_path():
     assert any(t.startswith("FP8 atomic step (no target): 0.40 s vs 0.32 s by tensor = +0.08 s (1.25x); "
                             "validate-only phase alone 0.07 s") for t in lines)
     res["targets"] = lines
-    md = bench_update.render(res)
+    md = update_bench_report.render(res)
     for path in ("tensor", "atomic", "validate_only", "prequant", "disk"):
         assert f"| fp8 | {path} |" in md
     assert "| fp8 | disk | n/a | 2.80 | 2.80 | n/a | n/a | n/a | n/a | 1.100 | 1.200 | n/a | n/a |" in md

@@ -12,6 +12,7 @@ import sys
 from fractions import Fraction
 
 import accuracy_kv as AK
+import accuracy_metrics as AM
 import accuracy_regression as AR
 import bench_rollout as BR
 import bench_rollout_child as CHILD
@@ -669,7 +670,7 @@ def test_accuracy_cli_rejects_bad_drift_and_tmpe_reuses_the_package():
     a, b = [-0.1, -2.0, None], [-0.2, -1.5, -0.3]
     ta, tb = torch.tensor(a[:2], dtype=torch.float64), torch.tensor(b[:2], dtype=torch.float64)
     want = float(token_mult_prob_error(ta, tb, torch.ones(2)))
-    assert AR.token_mult_prob_error(a, b) == want
+    assert AM.token_mult_prob_error(a, b) == want
 
 
 class _FailingStaticEngine(_KVFakeEngine):

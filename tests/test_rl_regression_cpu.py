@@ -12,7 +12,11 @@ import sys
 import time
 
 import pytest
+import rl_engines as RE
+import rl_grpo as RG
+import rl_policy as RP
 import rl_regression as RL
+import rl_report as RR
 import torch
 import train_toy_policy as TT
 
@@ -29,24 +33,24 @@ TINY_RUN = ["--dry-run", "--model-size", "tiny", "--prompts-per-step", "3", "--g
 
 def test_reward_partial_credit_and_exact():
     assert len(ANSWER) == 7 and ANSWER[-1] == TT.EOS
-    assert RL.reward(ANSWER, ANSWER) == 1.0
-    assert RL.reward(ANSWER, ANSWER, "exact") == 1.0
+    assert RG.reward(ANSWER, ANSWER) == 1.0
+    assert RG.reward(ANSWER, ANSWER, "exact") == 1.0
     wrong_digit = list(ANSWER)
     wrong_digit[2] = TT.VOCAB["9"] if ANSWER[2] != TT.VOCAB["9"] else TT.VOCAB["1"]
-    assert RL.reward(wrong_digit, ANSWER) == pytest.approx(6 / 7)
-    assert RL.reward(wrong_digit, ANSWER, "exact") == 0.0
+    assert RG.reward(wrong_digit, ANSWER) == pytest.approx(6 / 7)
+    assert RG.reward(wrong_digit, ANSWER, "exact") == 0.0
     early_eos = ANSWER[:3] + [TT.EOS]
-    assert RL.reward(early_eos, ANSWER) == pytest.approx(3 / 7)  # positions 4..7 missing or wrong
-    assert RL.reward([], ANSWER) == 0.0
+    assert RG.reward(early_eos, ANSWER) == pytest.approx(3 / 7)  # positions 4..7 missing or wrong
+    assert RG.reward([], ANSWER) == 0.0
     shifted = [TT.VOCAB["0"]] + ANSWER[:-1]
-    assert RL.reward(shifted, ANSWER) < 1.0
+    assert RG.reward(shifted, ANSWER) < 1.0
     with pytest.raises(ValueError, match="reward kind"):
-        RL.reward(ANSWER, ANSWER, "partial")
+        RG.reward(ANSWER, ANSWER, "partial")
 
 
 def test_group_advantages_normalize_within_groups():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.2, 0.4, 0.6, 0.8])
-    adv = RL.group_advantages(r, 4)
+    adv = RG.group_advantages(r, 4)
     g = adv.reshape(3, 4)
     assert g.sum(dim=1).abs().max() < 1e-6
     assert torch.equal(g[1], torch.zeros(4))  # no signal in a group with one reward
@@ -56,12 +60,12 @@ def test_group_advantages_normalize_within_groups():
     assert torch.allclose(g[2], want)
     for bad, gs in ((r, 5), (r, 1), (r.reshape(3, 4), 4)):
         with pytest.raises(ValueError, match="groups"):
-            RL.group_advantages(bad, gs)
+            RG.group_advantages(bad, gs)
 
 
 def _grad(logp_old, rollout, adv, mask, clip_eps=0.2, tis_cap=None, shift=0.0):
     new = (logp_old + shift).clone().requires_grad_(True)
-    loss, stats = RL.grpo_loss(new, logp_old, rollout, adv, mask, clip_eps, tis_cap)
+    loss, stats = RG.grpo_loss(new, logp_old, rollout, adv, mask, clip_eps, tis_cap)
     loss.backward()
     return new.grad, loss, stats
 
@@ -106,30 +110,30 @@ def test_grpo_loss_clips_moves_beyond_eps_in_the_advantage_direction():
 def test_pack_rollouts_layout():
     prompts = [[1, 5, 6], [1, 7, 8]]
     samples = [([4, 2], [-0.1, -0.2]), ([9, 9, 2], [-1.0, -2.0, -3.0])]
-    b = RL.pack_rollouts(prompts, samples, max_new=4)
+    b = RG.pack_rollouts(prompts, samples, max_new=4)
     assert b["ids"].tolist() == [[1, 5, 6, 4, 2, TT.PAD, TT.PAD], [1, 7, 8, 9, 9, 2, TT.PAD]]
     assert b["attn"].tolist() == [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0]]
     assert b["mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 0]]
     assert torch.equal(b["rollout_logp"], torch.tensor([[-0.1, -0.2, 0, 0], [-1.0, -2.0, -3.0, 0]]))
     assert int(b["prompt_len"]) == 3
     with pytest.raises(ValueError, match="one length"):
-        RL.pack_rollouts([[1, 2], [1]], samples, 4)
+        RG.pack_rollouts([[1, 2], [1]], samples, 4)
     with pytest.raises(ValueError, match="logprobs"):
-        RL.pack_rollouts(prompts, [([4, 2], [-0.1]), samples[1]], 4)
+        RG.pack_rollouts(prompts, [([4, 2], [-0.1]), samples[1]], 4)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        RL.pack_rollouts(prompts, samples, 2)
+        RG.pack_rollouts(prompts, samples, 2)
 
 
 def test_trainer_logprobs_align_with_the_sampler():
     """response_logprobs (teacher forcing on the packed batch) must reproduce the sampler's own log-probs: this pins
     the off-by-one between positions and predicted tokens that every mismatch metric depends on."""
-    model = RL.build_policy("tiny", seed=1, device=torch.device("cpu")).eval()
+    model = RP.build_policy("tiny", seed=1, device=torch.device("cpu")).eval()
     prompts = [TT.prompt_ids(a, b) for a, b in [(123, 4567), (98765, 4321), (500, 500)]]
-    samples = RL.sample_torch(model, prompts, TT.max_answer_tokens(TT.DEFAULT_TASK), 1.0,
+    samples = RP.sample_torch(model, prompts, TT.max_answer_tokens(TT.DEFAULT_TASK), 1.0,
                               torch.Generator().manual_seed(0))
-    b = RL.pack_rollouts(prompts, samples, TT.max_answer_tokens(TT.DEFAULT_TASK))
+    b = RG.pack_rollouts(prompts, samples, TT.max_answer_tokens(TT.DEFAULT_TASK))
     with torch.no_grad():
-        lp = RL.response_logprobs(model, b["ids"], b["attn"], int(b["prompt_len"]))
+        lp = RP.response_logprobs(model, b["ids"], b["attn"], int(b["prompt_len"]))
     m = b["mask"].bool()
     assert torch.allclose(lp[m], b["rollout_logp"][m], atol=1e-5)
     assert all(len(t) == len(lps) and (t[-1] == TT.EOS or len(t) == 7) for t, lps in samples)
@@ -137,17 +141,17 @@ def test_trainer_logprobs_align_with_the_sampler():
 
 def test_parse_generate_output():
     out = {"output_ids": [5, 2], "meta_info": {"output_token_logprobs": [[-0.5, 5, None], [-0.01, 2, None]]}}
-    assert RL.parse_generate_output(out) == ([5, 2], [-0.5, -0.01])
+    assert RE.parse_generate_output(out) == ([5, 2], [-0.5, -0.01])
     with pytest.raises(ValueError, match="differ"):
-        RL.parse_generate_output({**out, "output_ids": [5, 3]})
+        RE.parse_generate_output({**out, "output_ids": [5, 3]})
     with pytest.raises(KeyError, match="output_token_logprobs"):
-        RL.parse_generate_output({"output_ids": [5], "meta_info": {}})
+        RE.parse_generate_output({"output_ids": [5], "meta_info": {}})
 
 
 def test_fake_fp8_rounds_only_decoder_linears():
-    model = RL.build_policy("tiny", seed=0, device=torch.device("cpu"))
-    named = RL.named_bf16(model)
-    out = dict(RL.fake_fp8(named))
+    model = RP.build_policy("tiny", seed=0, device=torch.device("cpu"))
+    named = RP.named_bf16(model)
+    out = dict(RE.fake_fp8(named))
     src = dict(named)
     q = src["model.layers.0.self_attn.q_proj.weight"].float()
     dq = out["model.layers.0.self_attn.q_proj.weight"].float()
@@ -168,18 +172,18 @@ MISMATCH = {"token_mult_prob_error": 1.01, "kl_k1": 1e-3, "kl_k2": 1e-4, "kl_k3"
 
 def _record(step, reward, kl3=2e-4, tmpe=1.01):
     mm = dict(MISMATCH, kl_k3=kl3, token_mult_prob_error=tmpe)
-    return RL.step_record(step, [reward, reward], [0.0, 1.0], [7, 6], mm,
+    return RG.step_record(step, [reward, reward], [0.0, 1.0], [7, 6], mm,
                           {"ppo_clip_fraction": 0.1, "loss": -0.2, "grad_norm": 0.5},
                           {"push_s": 0.02, "rollout_s": 0.2, "train_s": 0.05})
 
 
 def test_step_record_has_every_key_and_the_means():
     rec = _record(3, 0.5)
-    assert tuple(rec) == RL.STEP_KEYS
+    assert tuple(rec) == RG.STEP_KEYS
     assert rec["reward"] == 0.5 and rec["exact_match"] == 0.5 and rec["response_len"] == 6.5
     assert rec["kl_k3"] == 2e-4 and rec["push_s"] == 0.02
     with pytest.raises(KeyError):
-        RL.step_record(1, [1.0], [1.0], [7], {k: v for k, v in MISMATCH.items() if k != "kl_k1"},
+        RG.step_record(1, [1.0], [1.0], [7], {k: v for k, v in MISMATCH.items() if k != "kl_k1"},
                        {"ppo_clip_fraction": 0, "loss": 0, "grad_norm": 0}, {"push_s": 0, "rollout_s": 0, "train_s": 0})
 
 
@@ -197,20 +201,20 @@ def _results(rewards_by_arm):
 
 def test_summaries_and_comparison_lines():
     res = _results({"bf16": [0.5, 0.5, 0.6, 0.8], "fp8_tis": [0.5, 0.5, 0.6, 0.75]})
-    s = {k: RL.summarize_arm(a["records"], 2) for k, a in res["arms"].items()}
+    s = {k: RR.summarize_arm(a["records"], 2) for k, a in res["arms"].items()}
     assert s["bf16"]["reward_first"] == pytest.approx(0.5) and s["bf16"]["reward_last"] == pytest.approx(0.7)
     assert s["fp8_tis"]["kl_k3_mean"] == pytest.approx(1e-4)
     assert s["bf16"]["rollout_s_median"] == pytest.approx(0.2)
-    lines = RL.compare_arms(s)
+    lines = RR.compare_arms(s)
     assert len(lines) == 1 and lines[0].startswith("fp8_tis vs bf16: final reward -2.5 points")
-    assert RL.compare_arms({"fp8": s["fp8_tis"]}) == []  # no baseline, no comparison
-    assert RL.summarize_arm([], 10) == {"steps": 0}
+    assert RR.compare_arms({"fp8": s["fp8_tis"]}) == []  # no baseline, no comparison
+    assert RR.summarize_arm([], 10) == {"steps": 0}
 
 
 def test_write_outputs_json_markdown_and_plot_message(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails: the numbers still come out
     res = _results({"bf16": [0.4, 0.6], "fp8": [0.4, 0.5], "fp8_tis": []})
-    RL.write_outputs(res, str(tmp_path))
+    RR.write_outputs(res, str(tmp_path))
     data = json.loads((tmp_path / "rl_results.json").read_text())
     assert data["arms"]["bf16"]["summary"]["reward_last"] == pytest.approx(0.5)
     assert len(data["arms"]["fp8"]["records"]) == 2 and data["arms"]["fp8_tis"]["summary"] == {"steps": 0}
@@ -256,11 +260,11 @@ def sglang_parser():
     return parser
 
 
-@pytest.mark.parametrize("kind", sorted(RL.SERVER_KINDS))
+@pytest.mark.parametrize("kind", sorted(RE.SERVER_KINDS))
 def test_server_commands_parse_with_sglangs_own_parser(kind, sglang_parser):
     args = RL.parse_args(["--out", "x", "--prompts-per-step", "32", "--group-size", "4", "--server-args",
                           "--log-level warning", "--fp8kv-server-args", "--kv-cache-dtype fp8_e5m2"])
-    cmd = RL.server_command(kind, "/m", 30123, args)
+    cmd = RE.server_command(kind, "/m", 30123, args)
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     ns = sglang_parser.parse_args(cmd[3:])
     assert ns.model_path == "/m" and ns.port == 30123 and ns.skip_tokenizer_init
@@ -284,7 +288,7 @@ def test_dry_run_end_to_end(tmp_path):
     for name in ("bf16", "fp8", "fp8_tis"):
         recs = data["arms"][name]["records"]
         assert [r["step"] for r in recs] == [1, 2]
-        assert all(math.isfinite(r[k]) for r in recs for k in RL.STEP_KEYS)
+        assert all(math.isfinite(r[k]) for r in recs for k in RG.STEP_KEYS)
         assert all(r["token_mult_prob_error"] >= 1.0 and r["kl_k3"] >= 0 for r in recs)
         assert set(data["arms"][name]["evals"]) == {"start", "end"}
     # the FP8 round trip adds to the BF16 copy's own mismatch with the fp32 trainer

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import accuracy_metrics as AM
 import accuracy_regression as AR
 import bench_rollout as BR
 import bench_rollout_report as BRR
@@ -36,7 +37,7 @@ def test_kl_exact_full_vocab():
     lp = _softmax_logs([2.0, 1.0, 0.5, -1.0])
     lq = _softmax_logs([1.8, 1.2, 0.4, -0.7])
     want = sum(math.exp(a) * (a - b) for a, b in zip(lp, lq))
-    kl, cov, n = AR.kl_divergence(dict(enumerate(lp)), dict(enumerate(lq)))
+    kl, cov, n = AM.kl_divergence(dict(enumerate(lp)), dict(enumerate(lq)))
     assert kl == pytest.approx(want, rel=1e-9)
     assert cov == pytest.approx(1.0)
     assert n == 4
@@ -44,9 +45,9 @@ def test_kl_exact_full_vocab():
 
 def test_kl_identical_is_zero_and_asymmetric_otherwise():
     lp = dict(enumerate(_softmax_logs([0.3, 0.1, -2.0])))
-    assert AR.kl_divergence(lp, lp)[0] == pytest.approx(0.0, abs=1e-15)
+    assert AM.kl_divergence(lp, lp)[0] == pytest.approx(0.0, abs=1e-15)
     lq = dict(enumerate(_softmax_logs([3.0, 0.1, -2.0])))
-    assert AR.kl_divergence(lp, lq)[0] != pytest.approx(AR.kl_divergence(lq, lp)[0])
+    assert AM.kl_divergence(lp, lq)[0] != pytest.approx(AM.kl_divergence(lq, lp)[0])
 
 
 def test_kl_topk_intersection_renormalizes_and_reports_coverage():
@@ -54,44 +55,44 @@ def test_kl_topk_intersection_renormalizes_and_reports_coverage():
     full_q = _softmax_logs([2.9, 2.1, 0.0, 1.0, -1.0])
     p = {0: full_p[0], 1: full_p[1], 2: full_p[2]}  # top-3 of P
     q = {0: full_q[0], 1: full_q[1], 3: full_q[3]}  # top-3 of Q
-    kl, cov, n = AR.kl_divergence(p, q)
+    kl, cov, n = AM.kl_divergence(p, q)
     assert n == 2
     assert cov == pytest.approx(math.exp(full_p[0]) + math.exp(full_p[1]))
     rp = _softmax_logs([full_p[0], full_p[1]])
     rq = _softmax_logs([full_q[0], full_q[1]])
     assert kl == pytest.approx(sum(math.exp(a) * (a - b) for a, b in zip(rp, rq)))
-    assert math.isnan(AR.kl_divergence({0: 0.0}, {1: 0.0})[0])
+    assert math.isnan(AM.kl_divergence({0: 0.0}, {1: 0.0})[0])
 
 
 def test_top_entries_and_argmax():
-    d = AR.top_entries_to_dict([(-0.1, 5, None), (-2.5, 7, "x")])
+    d = AM.top_entries_to_dict([(-0.1, 5, None), (-2.5, 7, "x")])
     assert d == {5: -0.1, 7: -2.5}
-    assert AR.top_entries_to_dict(None) == {}
-    assert AR.argmax_token(d) == 5
-    assert AR.argmax_token({}) is None
+    assert AM.top_entries_to_dict(None) == {}
+    assert AM.argmax_token(d) == 5
+    assert AM.argmax_token({}) is None
 
 
 def test_token_mult_prob_error_matches_nemo_rl_definition():
-    assert AR.token_mult_prob_error([-0.5, -1.0], [-0.5, -1.0]) == pytest.approx(1.0)
+    assert AM.token_mult_prob_error([-0.5, -1.0], [-0.5, -1.0]) == pytest.approx(1.0)
     a, b = [-0.1, -2.0, -0.3], [-0.2, -1.5, -0.3]
     want = (math.exp(0.1) + math.exp(0.5) + math.exp(0.0)) / 3
-    assert AR.token_mult_prob_error(a, b) == pytest.approx(want)
-    assert AR.token_mult_prob_error(b, a) == pytest.approx(want)  # symmetric in |delta|
-    assert AR.token_mult_prob_error([None, -1.0], [-3.0, -1.0]) == pytest.approx(1.0)  # None skipped
-    assert math.isnan(AR.token_mult_prob_error([], []))
+    assert AM.token_mult_prob_error(a, b) == pytest.approx(want)
+    assert AM.token_mult_prob_error(b, a) == pytest.approx(want)  # symmetric in |delta|
+    assert AM.token_mult_prob_error([None, -1.0], [-3.0, -1.0]) == pytest.approx(1.0)  # None skipped
+    assert math.isnan(AM.token_mult_prob_error([], []))
 
 
 def test_prefix_and_percentile():
-    assert AR.matching_prefix_len([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert AR.matching_prefix_len([], [1]) == 0
-    assert AR.matching_prefix_len([1, 2], [1, 2]) == 2
+    assert AM.matching_prefix_len([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert AM.matching_prefix_len([], [1]) == 0
+    assert AM.matching_prefix_len([1, 2], [1, 2]) == 2
     xs = [5.0, 1.0, 3.0, 2.0, 4.0]
-    assert AR.percentile(xs, 50) == 3.0
-    assert AR.percentile(xs, 99) == pytest.approx(4.96)  # numpy linear interpolation
-    assert AR.percentile([float("nan")], 50) != AR.percentile([float("nan")], 50)
-    s = AR.summarize([0.1, 0.2, 0.3])
+    assert AM.percentile(xs, 50) == 3.0
+    assert AM.percentile(xs, 99) == pytest.approx(4.96)  # numpy linear interpolation
+    assert AM.percentile([float("nan")], 50) != AM.percentile([float("nan")], 50)
+    s = AM.summarize([0.1, 0.2, 0.3])
     assert s["n"] == 3 and s["mean"] == pytest.approx(0.2) and s["max"] == 0.3
-    assert AR.summarize([])["mean"] is None
+    assert AM.summarize([])["mean"] is None
 
 
 def _meta_for(seq, dist_fn, out_tokens=1):
@@ -107,18 +108,18 @@ def test_scoring_dists_alignment():
     seq = [1, 4, 5, 6]
     dist = lambda j: {t: math.log(0.25) for t in range(4, 8)}  # noqa: E731
     meta = _meta_for(seq, dist)
-    d = AR.scoring_dists(meta, len(seq))
+    d = AM.scoring_dists(meta, len(seq))
     assert len(d) == 3 and d[0] == {4: math.log(0.25), 5: math.log(0.25), 6: math.log(0.25), 7: math.log(0.25)}
-    lps = AR.scoring_token_logprobs(meta, len(seq))
+    lps = AM.scoring_token_logprobs(meta, len(seq))
     assert lps == [pytest.approx(math.log(0.25))] * 3
     # fewer rows than tokens (e.g. a cached prefix): aligned at the end, missing rows empty / None
     short = {"input_top_logprobs": meta["input_top_logprobs"][1:],
              "input_token_logprobs": meta["input_token_logprobs"][1:]}
-    assert AR.scoring_dists(short, len(seq)) == d
-    assert AR.scoring_token_logprobs(short, len(seq)) == lps
+    assert AM.scoring_dists(short, len(seq)) == d
+    assert AM.scoring_token_logprobs(short, len(seq)) == lps
     shorter = {"input_top_logprobs": meta["input_top_logprobs"][2:]}
-    assert AR.scoring_dists(shorter, len(seq)) == [{}] + d[1:]
-    assert AR.output_logprobs(meta) == [-0.1]
+    assert AM.scoring_dists(shorter, len(seq)) == [{}] + d[1:]
+    assert AM.output_logprobs(meta) == [-0.1]
 
 
 def _record(prompts, conts, shift=0.0, gen=None):
@@ -141,14 +142,14 @@ def test_compare_end_to_end():
     prompts = [[1, 5, 6], [1, 7]]
     conts = [[4, 4, 2], [5, 2]]
     bf = _record(prompts, conts)
-    same = AR.compare(prompts, bf, _record(prompts, conts))
+    same = AM.compare(prompts, bf, _record(prompts, conts))
     assert same["kl_all"]["max"] == pytest.approx(0.0, abs=1e-12)
     assert same["greedy_identical_fraction"] == 1.0
     assert same["tmpe_fp8_vs_bf16_engine_scoring"] == pytest.approx(1.0)
     assert same["kl_continuation"]["n"] == 5 and same["kl_prompt"]["n"] == 3
     fp = _record(prompts, conts, shift=0.5, gen=[[4, 4, 2], [6, 2]])
     hf = {"bf16": [[math.log(0.5)] * 3, [math.log(0.5)] * 2], "fp8": [[math.log(0.25)] * 3, [math.log(0.5)] * 2]}
-    r = AR.compare(prompts, bf, fp, hf=hf, task_answers=[1, 2], decode_fn=lambda ids: len(ids) - 2)
+    r = AM.compare(prompts, bf, fp, hf=hf, task_answers=[1, 2], decode_fn=lambda ids: len(ids) - 2)
     assert r["kl_continuation"]["mean"] > 0
     assert r["greedy_identical_fraction"] == 0.5
     assert r["greedy_mean_matching_prefix"] == pytest.approx((3 + 0) / 2)
@@ -156,7 +157,7 @@ def test_compare_end_to_end():
     assert r["tmpe_fp8_rollout_vs_hf_bf16"] == pytest.approx((3 * 2.0 + 2 * 1.0) / 5)
     assert r["top1_agreement_continuation"] == 0.0  # shift makes token 4 the FP8 argmax; BF16 ties -> token 0
     assert r["task_exact_match_bf16"] == 0.5
-    text = AR.format_table(r, {"model": "m", "quantization": "fp8_online_blockwise", "n_prompts": 2, "top_k": 8,
+    text = AM.format_table(r, {"model": "m", "quantization": "fp8_online_blockwise", "n_prompts": 2, "top_k": 8,
                                "kl_exact": True})
     assert "token_mult_prob_error FP8 rollout vs HF BF16" in text and "exact full-vocabulary KL" in text
 

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/
 import _paths  # noqa: E402,F401  (scripts/gpu and the checkout on sys.path)
-from decode_roofline import copy_bandwidth  # noqa: E402  (the roofline's measurement: one definition for both reports)
+from decode_roofline_child import copy_bandwidth  # noqa: E402  (the roofline's measurement: one definition for both)
 
 from sglang_fp8rl.kernels import fp8_decode_attention as FDA  # noqa: E402
 from sglang_fp8rl.kernels.gemm_select import measure  # noqa: E402
