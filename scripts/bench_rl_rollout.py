@@ -86,7 +86,8 @@ import threading
 import time
 
 import _paths  # noqa: F401  (scripts/gpu and the checkout on sys.path)
-import bench_rollout as BR  # scripts/bench_rollout.py: the FP8 flag lists, the device and versions
+import bench_rollout as BR  # scripts/bench_rollout.py: the device and versions
+import bench_rollout_configs as BRC  # scripts/bench_rollout_configs.py: the FP8 flag lists
 import kv_measure as KV  # scripts/kv_measure.py: attention backends, FA3 probe, backend env
 from rollout_report import _f, load_recorded, recorded_mismatches, say, summarize_config, write_outputs
 from rollout_server import run_config, skipped_record
@@ -100,13 +101,13 @@ CONFIGS: dict[str, list[str]] = {
     # release (from 0.5.15 an alias of --cuda-graph-max-bs-decode, the field the plugin raises)
     "bf16_graphs512": ["--cuda-graph-max-bs", "512"],
     "bf16_triton": ["--attention-backend", "triton"],
-    "fp8": list(BR._ONLINE),
-    "fp8_triton": [*BR._ONLINE, "--attention-backend", "triton"],
-    "fp8_kv": [*BR._ONLINE, *BR._FP8_KV],
-    "fp8_kv_fa3": [*BR._ONLINE, *BR._FP8_KV, BR.DECODE_ATTENTION_FLAG, "fa3"],
-    "fp8_kv_splitkv": [*BR._ONLINE, *BR._FP8_KV, BR.DECODE_ATTENTION_FLAG, "split_kv"],
-    "fp8_kv_triton": [*BR._ONLINE, *BR._FP8_KV, "--attention-backend", "triton"],
-    "fp8_kv_flashinfer": [*BR._ONLINE, *BR._FP8_KV, "--attention-backend", "flashinfer"],
+    "fp8": list(BRC._ONLINE),
+    "fp8_triton": [*BRC._ONLINE, "--attention-backend", "triton"],
+    "fp8_kv": [*BRC._ONLINE, *BRC._FP8_KV],
+    "fp8_kv_fa3": [*BRC._ONLINE, *BRC._FP8_KV, BRC.DECODE_ATTENTION_FLAG, "fa3"],
+    "fp8_kv_splitkv": [*BRC._ONLINE, *BRC._FP8_KV, BRC.DECODE_ATTENTION_FLAG, "split_kv"],
+    "fp8_kv_triton": [*BRC._ONLINE, *BRC._FP8_KV, "--attention-backend", "triton"],
+    "fp8_kv_flashinfer": [*BRC._ONLINE, *BRC._FP8_KV, "--attention-backend", "flashinfer"],
 }
 DEFAULT_CONFIGS = ["bf16", "fp8"]
 MODELS = ("qwen3-8b", "qwen3-30b-a3b")  # scripts/gpu/make_models.py names

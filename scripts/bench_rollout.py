@@ -84,6 +84,15 @@ import _paths  # noqa: F401  (scripts/gpu and the checkout on sys.path)
 import kernel_trace as KT  # scripts/kernel_trace.py: the profiler's top-kernels table
 import kv_measure as KV  # scripts/kv_measure.py: the FP8-KV tables and log parsing
 import tail_table as TAIL  # scripts/tail_table.py: decode at small batch over long contexts
+from bench_rollout_configs import (  # scripts/bench_rollout_configs.py: the configs and their command lines
+    CONFIGS,
+    EXTRA_CONFIGS,
+    bench_flags,
+    config_spec,
+    plan_runs,
+    profile_flags,
+    sweep_order,
+)
 from bench_rollout_report import (  # scripts/bench_rollout_report.py: log parsing, ratios, targets, the tables
     DESC,
     _f,
@@ -99,102 +108,9 @@ from bench_rollout_report import (  # scripts/bench_rollout_report.py: log parsi
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CONFIGS = ["bf16", "fp8_online_blockwise", "block_prequant", "fp8_channel"]
-# opt-in: FP8 KV cache
-KV_CONFIGS = ["fp8_online_blockwise_kv", "fp8_online_blockwise_kv_static", "fp8_online_blockwise_kv_sglang_write",
-              "fp8_online_blockwise_kv_fa3", "fp8_online_blockwise_kv_splitkv", "bf16_kv"]
-EXTRA_CONFIGS = ["fp8_online_noselect", *KV_CONFIGS]  # opt-in (--configs)
-_FP8_KV = ["--kv-cache-dtype", "fp8_e4m3"]
-DECODE_ATTENTION_FLAG = "--fp8rl-decode-attention"
-_ONLINE = ["--quantization", "fp8_online_blockwise"]
 ECHO_RE = re.compile(
     r"\[fp8rl\]|\[bench_rollout\]|Load weight end|max_total_num_tokens=|Prefill\. latency|Decode\.  median|"
     r"Total\. latency|skipping \(|Traceback|Error|error:|CUDA out of memory")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# pure helpers (unit-tested in tests/test_scripts_metrics.py)
-# ----------------------------------------------------------------------------------------------------------------
-
-def model_names(moe: bool) -> tuple[str, str]:
-    return ("qwen3-30b-a3b", "qwen3-30b-a3b-block") if moe else ("qwen3-8b", "qwen3-8b-block")
-
-
-def _base_spec(cfg: str, moe: bool) -> dict:
-    plain, block = model_names(moe)
-    specs = {
-        "bf16": (plain, [], "0"),
-        "fp8_online_blockwise": (plain, _ONLINE, "0"),
-        "block_prequant": (block, [], "1"),
-        "fp8_channel": (plain, ["--quantization", "fp8"], "1"),
-        "fp8_online_noselect": (plain, [*_ONLINE, "--fp8rl-gemm-select", "off"], "0"),
-        "fp8_online_blockwise_kv": (plain, [*_ONLINE, *_FP8_KV], "0"),
-        "fp8_online_blockwise_kv_static": (plain, [*_ONLINE, *_FP8_KV, KV.KV_SCALES_FLAG, "static"], "0"),
-        "fp8_online_blockwise_kv_sglang_write": (plain, [*_ONLINE, *_FP8_KV, KV.KV_WRITE_FLAG, "sglang"], "0"),
-        "fp8_online_blockwise_kv_fa3": (plain, [*_ONLINE, *_FP8_KV, DECODE_ATTENTION_FLAG, "fa3"], "0"),
-        "fp8_online_blockwise_kv_splitkv": (plain, [*_ONLINE, *_FP8_KV, DECODE_ATTENTION_FLAG, "split_kv"], "0"),
-        "bf16_kv": (plain, _FP8_KV, "0"),
-    }
-    if cfg not in specs:
-        raise ValueError(f"unknown config {cfg!r}; choose from {CONFIGS + EXTRA_CONFIGS}")
-    model, flags, refill = specs[cfg]
-    return {"model": model, "flags": list(flags), "env": {"FP8RL_BENCH_REFILL": refill}}
-
-
-def config_spec(cfg: str, moe: bool = False, backend: str = KV.DEFAULT_ATTENTION_BACKEND) -> dict:
-    """model folder name, extra bench flags, extra env for one config on one attention backend."""
-    spec = _base_spec(cfg, moe)
-    spec["env"].update(KV.backend_env(spec["flags"], backend))
-    return spec
-
-
-def run_label(cfg: str, backend: str, main_backend: str) -> str:
-    """Result label: the config's name on the run's backend, `config@backend` on another one."""
-    return cfg if backend == main_backend else f"{cfg}@{backend}"
-
-
-def plan_runs(configs, main_backend: str, bf16_backends=()) -> list[tuple[str, str, str]]:
-    """(label, config, backend) in run order; BF16 on each extra backend runs right after BF16 (or first)."""
-    extra = [b for b in dict.fromkeys(bf16_backends) if b != main_backend]
-    runs = []
-    for cfg in dict.fromkeys(configs):
-        runs.append((run_label(cfg, main_backend, main_backend), cfg, main_backend))
-        if cfg == "bf16":
-            runs += [(run_label(cfg, b, main_backend), cfg, b) for b in extra]
-    if "bf16" not in configs:
-        runs = [(run_label("bf16", b, main_backend), "bf16", b) for b in extra] + runs
-    return runs
-
-
-def _lens(output_len) -> list[int]:
-    return [int(output_len)] if isinstance(output_len, int) else [int(x) for x in output_len]
-
-
-def bench_flags(model_path: str, batch_sizes, input_len, output_len, mem_fraction: float,
-                result_file: str, run_name: str, repeat: int = 1, prefill_graph: bool = False,
-                attention_backend: str = KV.DEFAULT_ATTENTION_BACKEND) -> list[str]:
-    """bench_one_batch flags of one config; input_len and output_len are each one length or a list (one process runs
-    every combination)."""
-    bs_sweep = [str(b) for b in list(batch_sizes) * max(1, repeat)]
-    graph_bs = [str(b) for b in sorted({int(b) for b in batch_sizes})]
-    prefill = [] if prefill_graph else ["--disable-prefill-cuda-graph"]
-    return ["--model-path", model_path, "--load-format", "dummy", "--attention-backend", attention_backend,
-            "--sampling-backend", "pytorch", "--grammar-backend", "none", "--dtype", "bfloat16",
-            "--batch-size", *bs_sweep, "--input-len", *[str(x) for x in _lens(input_len)],
-            "--output-len", *[str(x) for x in _lens(output_len)],
-            *prefill, "--cuda-graph-bs-decode", *graph_bs,
-            "--mem-fraction-static", str(mem_fraction), "--result-filename", result_file, "--run-name", run_name]
-
-
-def sweep_order(batch_sizes, output_len, repeat: int = 1) -> list[tuple[int, int]]:
-    """(bs, output_len) in the order bench_one_batch runs them (itertools.product over bs, input, output)."""
-    return [(int(b), ol) for b in list(batch_sizes) * max(1, repeat) for ol in _lens(output_len)]
-
-
-def profile_flags(prefix: str, output_len, steps: int) -> list[str]:
-    start = max(1, min(64, min(_lens(output_len)) // 2))
-    return ["--profile", "--profile-stage", "decode", "--profile-start-step", str(start), "--profile-steps",
-            str(steps), "--profile-activities", "GPU", "--profile-prefix", prefix]
 
 
 # ----------------------------------------------------------------------------------------------------------------

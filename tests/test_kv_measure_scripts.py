@@ -16,6 +16,7 @@ import accuracy_metrics as AM
 import accuracy_regression as AR
 import bench_rollout as BR
 import bench_rollout_child as CHILD
+import bench_rollout_configs as BRC
 import bench_rollout_report as BRR
 import kv_drift as D
 import kv_measure as KV
@@ -70,29 +71,29 @@ def test_recalibration_times_keep_one_rank():
 
 
 def test_kv_configs_and_backend_env():
-    on = BR.config_spec("fp8_online_blockwise_kv")
+    on = BRC.config_spec("fp8_online_blockwise_kv")
     assert on["flags"] == ["--quantization", "fp8_online_blockwise", "--kv-cache-dtype", "fp8_e4m3"]
-    assert BR.config_spec("fp8_online_blockwise_kv_static")["flags"][-2:] == ["--fp8rl-kv-scales", "static"]
-    assert BR.config_spec("fp8_online_blockwise_kv_sglang_write")["flags"] == [*on["flags"], "--fp8rl-kv-write",
+    assert BRC.config_spec("fp8_online_blockwise_kv_static")["flags"][-2:] == ["--fp8rl-kv-scales", "static"]
+    assert BRC.config_spec("fp8_online_blockwise_kv_sglang_write")["flags"] == [*on["flags"], "--fp8rl-kv-write",
                                                                                "sglang"]
     from sglang_fp8rl.server_args import parse_args
-    assert parse_args(BR.config_spec("fp8_online_blockwise_kv_sglang_write")["flags"]).kv_write == "sglang"  # real
+    assert parse_args(BRC.config_spec("fp8_online_blockwise_kv_sglang_write")["flags"]).kv_write == "sglang"  # real
     assert parse_args(on["flags"]).kv_write == "fused"  # the default write
-    assert BR.config_spec("bf16_kv")["flags"] == ["--kv-cache-dtype", "fp8_e4m3"]
+    assert BRC.config_spec("bf16_kv")["flags"] == ["--kv-cache-dtype", "fp8_e4m3"]
     assert "SGLANG_FLASHINFER_USE_PAGED" not in on["env"]
-    assert BR.config_spec("fp8_online_blockwise_kv", backend="flashinfer")["env"]["SGLANG_FLASHINFER_USE_PAGED"] == "1"
-    assert BR.config_spec("bf16_kv", backend="flashinfer")["env"]["SGLANG_FLASHINFER_USE_PAGED"] == "1"
-    assert "SGLANG_FLASHINFER_USE_PAGED" not in BR.config_spec("bf16", backend="flashinfer")["env"]
-    assert set(BR.KV_CONFIGS) <= set(BR.EXTRA_CONFIGS) and not set(BR.KV_CONFIGS) & set(BR.CONFIGS)
+    assert BRC.config_spec("fp8_online_blockwise_kv", backend="flashinfer")["env"]["SGLANG_FLASHINFER_USE_PAGED"] == "1"
+    assert BRC.config_spec("bf16_kv", backend="flashinfer")["env"]["SGLANG_FLASHINFER_USE_PAGED"] == "1"
+    assert "SGLANG_FLASHINFER_USE_PAGED" not in BRC.config_spec("bf16", backend="flashinfer")["env"]
+    assert set(BRC.KV_CONFIGS) <= set(BRC.EXTRA_CONFIGS) and not set(BRC.KV_CONFIGS) & set(BRC.CONFIGS)
 
 
 def test_plan_runs_labels_and_order():
-    assert BR.plan_runs(["bf16", "fp8_online_blockwise_kv"], "triton", ["flashinfer", "triton"]) == [
+    assert BRC.plan_runs(["bf16", "fp8_online_blockwise_kv"], "triton", ["flashinfer", "triton"]) == [
         ("bf16", "bf16", "triton"), ("bf16@flashinfer", "bf16", "flashinfer"),
         ("fp8_online_blockwise_kv", "fp8_online_blockwise_kv", "triton")]
-    assert BR.plan_runs(["fp8_online_blockwise_kv"], "flashinfer", ["triton"]) == [
+    assert BRC.plan_runs(["fp8_online_blockwise_kv"], "flashinfer", ["triton"]) == [
         ("bf16@triton", "bf16", "triton"), ("fp8_online_blockwise_kv", "fp8_online_blockwise_kv", "flashinfer")]
-    assert [r[0] for r in BR.plan_runs(["bf16", "bf16"], "triton")] == ["bf16"]
+    assert [r[0] for r in BRC.plan_runs(["bf16", "bf16"], "triton")] == ["bf16"]
 
 
 def _sglang_parser():
@@ -114,16 +115,16 @@ def _sglang_parser():
 def test_kv_bench_flags_parse_with_sglang_bench_one_batch(backend):
     """The KV configs' flags, with two output lengths, are accepted by SGLang 0.5.17's own bench_one_batch parser."""
     parser, one_batch = _sglang_parser()
-    for cfg in BR.KV_CONFIGS:
-        argv = (BR.bench_flags("/m/qwen3-8b", [64, 128], 512, [256, 1024], 0.7, "/tmp/r.jsonl", cfg,
-                               attention_backend=backend) + BR.config_spec(cfg, backend=backend)["flags"])
+    for cfg in BRC.KV_CONFIGS:
+        argv = (BRC.bench_flags("/m/qwen3-8b", [64, 128], 512, [256, 1024], 0.7, "/tmp/r.jsonl", cfg,
+                               attention_backend=backend) + BRC.config_spec(cfg, backend=backend)["flags"])
         ns = parser.parse_args(argv)
         ba = one_batch.BenchArgs.from_cli_args(ns)
         assert ba.output_len == (256, 1024) and ba.batch_size == (64, 128)
         assert ns.attention_backend == backend and ns.kv_cache_dtype == "fp8_e4m3"
         assert ns.fp8rl_kv_scales == ("static" if cfg.endswith("_static") else "auto")
-    assert BR.sweep_order([64, 128], [256, 1024], repeat=1) == [(64, 256), (64, 1024), (128, 256), (128, 1024)]
-    prof = BR.profile_flags("x", [1024, 256], 3)
+    assert BRC.sweep_order([64, 128], [256, 1024], repeat=1) == [(64, 256), (64, 1024), (128, 256), (128, 1024)]
+    prof = BRC.profile_flags("x", [1024, 256], 3)
     assert prof[prof.index("--profile-start-step") + 1] == "64"  # from the shortest output length
 
 
@@ -135,7 +136,7 @@ def test_parse_rows_from_log_assigns_output_lengths():
 
     text = (row(64, 1.0) + "Benchmark ...\n" + row(64, 100.0) + row(64, 101.0)
             + "skipping (128, 512, 256) due to max batch size limit\n" + row(128, 200.0))
-    sweep = BR.sweep_order([64, 128], [256, 1024])
+    sweep = BRC.sweep_order([64, 128], [256, 1024])
     rows = BRR.parse_rows_from_log(text, sweep)
     assert [(r["batch_size"], r["output_len"], r["median_decode_throughput"]) for r in rows] == [
         (64, 256, 100.0), (64, 1024, 101.0), (128, 1024, 200.0)]

@@ -12,6 +12,7 @@ import sys
 import accuracy_metrics as AM
 import accuracy_regression as AR
 import bench_rollout as BR
+import bench_rollout_configs as BRC
 import bench_rollout_report as BRR
 import bench_startup as BS
 import kernel_trace as KT
@@ -282,17 +283,17 @@ def test_kernel_classes_and_trace_summary(tmp_path):
 def test_cli_defaults_and_moe():
     a = BR.parse_args([])
     assert a.batch_sizes == [64, 128] and a.output_len == 1024 and a.input_len == 512
-    assert a.mem_fraction_static == 0.7 and a.configs == BR.CONFIGS
+    assert a.mem_fraction_static == 0.7 and a.configs == BRC.CONFIGS
     a = BR.parse_args(["--batch-sizes", "1", "8", "32", "64", "128", "256", "--output-len", "64"])
     assert a.batch_sizes == [1, 8, 32, 64, 128, 256] and a.output_len == 64
     m = BR.parse_args(["--moe"])
     assert m.batch_sizes == [32, 64] and m.output_len == 512 and m.mem_fraction_static == 0.88
-    assert BR.config_spec("block_prequant", moe=True)["model"] == "qwen3-30b-a3b-block"
-    assert BR.config_spec("fp8_online_blockwise")["flags"] == ["--quantization", "fp8_online_blockwise"]
-    assert BR.config_spec("fp8_channel")["env"]["FP8RL_BENCH_REFILL"] == "1"
-    assert BR.config_spec("fp8_online_blockwise")["env"]["FP8RL_BENCH_REFILL"] == "0"
+    assert BRC.config_spec("block_prequant", moe=True)["model"] == "qwen3-30b-a3b-block"
+    assert BRC.config_spec("fp8_online_blockwise")["flags"] == ["--quantization", "fp8_online_blockwise"]
+    assert BRC.config_spec("fp8_channel")["env"]["FP8RL_BENCH_REFILL"] == "1"
+    assert BRC.config_spec("fp8_online_blockwise")["env"]["FP8RL_BENCH_REFILL"] == "0"
     with pytest.raises(ValueError):
-        BR.config_spec("nope")
+        BRC.config_spec("nope")
 
 
 def test_bench_flags_parse_with_sglang_bench_one_batch():
@@ -304,9 +305,9 @@ def test_bench_flags_parse_with_sglang_bench_one_batch():
 
     if "fp8_online_blockwise" not in SA.QUANTIZATION_CHOICES:  # the plugin adds it at load_plugins() time
         SA.add_quantization_method_choices(["fp8_online_blockwise"])
-    for cfg in BR.CONFIGS:
-        argv = (BR.bench_flags("/m/qwen3-8b", [64, 128], 512, 1024, 0.7, "/tmp/r.jsonl", cfg, repeat=2)
-                + BR.config_spec(cfg)["flags"] + BR.profile_flags(cfg, 1024, 3))
+    for cfg in BRC.CONFIGS:
+        argv = (BRC.bench_flags("/m/qwen3-8b", [64, 128], 512, 1024, 0.7, "/tmp/r.jsonl", cfg, repeat=2)
+                + BRC.config_spec(cfg)["flags"] + BRC.profile_flags(cfg, 1024, 3))
         parser = argparse.ArgumentParser()
         SA.ServerArgs.add_cli_args(parser)
         one_batch.BenchArgs.add_cli_args(parser)
@@ -318,7 +319,7 @@ def test_bench_flags_parse_with_sglang_bench_one_batch():
         assert ns.quantization == {"bf16": None, "block_prequant": None, "fp8_channel": "fp8",
                                    "fp8_online_blockwise": "fp8_online_blockwise"}[cfg]
     # --prefill-graph keeps SGLang's prefill CUDA graphs (the server default)
-    argv = BR.bench_flags("/m/qwen3-8b", [1, 8], 512, 64, 0.7, "/tmp/r.jsonl", "bf16", prefill_graph=True)
+    argv = BRC.bench_flags("/m/qwen3-8b", [1, 8], 512, 64, 0.7, "/tmp/r.jsonl", "bf16", prefill_graph=True)
     parser = argparse.ArgumentParser()
     SA.ServerArgs.add_cli_args(parser)
     one_batch.BenchArgs.add_cli_args(parser)
