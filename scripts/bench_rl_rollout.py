@@ -90,10 +90,8 @@ import bench_rollout as BR  # scripts/bench_rollout.py: the device and versions
 import bench_rollout_configs as BRC  # scripts/bench_rollout_configs.py: the FP8 flag lists
 import kv_measure as KV  # scripts/kv_measure.py: attention backends, FA3 probe, backend env
 from rollout_report import _f, load_recorded, recorded_mismatches, say, summarize_config, write_outputs
-from rollout_server import run_config, skipped_record
+from rollout_server import REPO, run_config, skipped_record
 from rollout_workload import DISTRIBUTIONS, SCALES, WORKLOAD_DEFAULTS, describe_workload, make_workload
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIGS: dict[str, list[str]] = {
     "bf16": [],

@@ -5,7 +5,6 @@ supervised warm start to --init-reward, and the BF16 HF checkpoint the servers s
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import statistics
@@ -117,10 +116,4 @@ def save_checkpoint(model, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     T.build_tokenizer().save_pretrained(out)
-    path = os.path.join(out, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg["torch_dtype"] = "bfloat16"
-    cfg.setdefault("dtype", "bfloat16")
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=2)
+    T.mark_config_bf16(out)

@@ -200,6 +200,17 @@ def greedy_exact_match(model, problems, task, device, batch_size=512):
     return correct / max(1, total), examples
 
 
+def mark_config_bf16(out: str) -> None:
+    """Name BF16 as the dtype of the checkpoint saved in ``out`` (its config.json), in both of HF's spellings."""
+    path = os.path.join(out, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["torch_dtype"] = "bfloat16"
+    cfg.setdefault("dtype", "bfloat16")
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -292,13 +303,7 @@ def main(argv=None) -> int:
                                                     do_sample=False, max_new_tokens=max_answer_tokens(task))
     model_bf16.save_pretrained(args.out, safe_serialization=True)
     build_tokenizer().save_pretrained(args.out)
-    cj = os.path.join(args.out, "config.json")
-    with open(cj) as f:
-        c = json.load(f)
-    c["torch_dtype"] = "bfloat16"
-    c.setdefault("dtype", "bfloat16")
-    with open(cj, "w") as f:
-        json.dump(c, f, indent=2)
+    mark_config_bf16(args.out)
     with open(os.path.join(args.out, "task.json"), "w") as f:
         json.dump(task, f, indent=1)
     report = {"steps": step, "train_seconds": round(train_s, 1), "total_seconds": round(time.time() - t_start, 1),

@@ -22,6 +22,11 @@ STACKS_AFTER_ENV = "FP8RL_TEST_STACKS_AFTER_S"  # tests/sgl_worker.py prints eve
 STACKS_MARGIN_S = 30
 
 
+def stacks_env(timeout: float) -> dict[str, str]:
+    """The environment that makes tests/sgl_worker.py print every thread's stack and exit shortly before ``timeout``."""
+    return {STACKS_AFTER_ENV: str(max(timeout - STACKS_MARGIN_S, 1))}
+
+
 def run_ranks(command_of: Callable[[int, int], list[str]], env: dict, timeout: int, ranks: int = 2) -> list[str]:
     """Start ``command_of(rank, port)`` for every rank on a fresh rendezvous port; their logs, each asserted to exit 0;
     all are killed past ``timeout``. A port found taken is retried on another."""
@@ -37,7 +42,7 @@ def run_ranks(command_of: Callable[[int, int], list[str]], env: dict, timeout: i
 
 def _run_once(command_of: Callable[[int, int], list[str]], port: int, env: dict, timeout: int,
               ranks: int) -> list[tuple[str, int]]:
-    env = dict(env, **{STACKS_AFTER_ENV: str(max(timeout - STACKS_MARGIN_S, 1))})
+    env = dict(env, **stacks_env(timeout))
     procs = [subprocess.Popen(command_of(rank, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env) for rank in range(ranks)]
     out = []

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import torch
-from rank_pair import STACKS_AFTER_ENV, STACKS_MARGIN_S, run_ranks
+from rank_pair import run_ranks, stacks_env
 
 from sglang_fp8rl.demo_common import random_state_dict, write_tokenizer  # noqa: F401  (shared with the demo)
 
@@ -106,7 +106,7 @@ def run_worker(scenario: str, model_dir: str, out_path: str, *server_args: str, 
     proc_env.pop("FP8RL_OPTIONS", None)
     proc_env.update(env or {})
     # the worker prints every thread's stack and exits shortly before it would be killed: a hang names its line
-    proc_env[STACKS_AFTER_ENV] = str(max(timeout - STACKS_MARGIN_S, 1))
+    proc_env.update(stacks_env(timeout))
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=proc_env)
     except subprocess.TimeoutExpired as e:

@@ -14,6 +14,8 @@ import json
 import os
 import sys
 
+from rank_pair import STACKS_AFTER_ENV
+
 from sglang_fp8rl.compat.runtime import one_batch, prefill_request
 from sglang_fp8rl.compat.updates import updater_of
 from sglang_fp8rl.cpu_runner import build_runner, install_cpu_stubs
@@ -592,7 +594,7 @@ SCENARIOS = {"client": scenario_client, "load": scenario_load, "updates": scenar
 
 
 def main() -> None:
-    stacks_after = os.environ.get("FP8RL_TEST_STACKS_AFTER_S")  # set by tests/sgl_model.run_worker
+    stacks_after = os.environ.get(STACKS_AFTER_ENV)  # set by tests/rank_pair.stacks_env
     if stacks_after:
         faulthandler.dump_traceback_later(float(stacks_after), exit=True)
     scenario, model_dir, out_path, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
