@@ -23,6 +23,10 @@ TARGET_MODEL, TARGET_TP = "qwen3-30b-a3b", 4
 TARGET_PATHS = ("tensor", "broadcast")
 GROUP_PORT = 29650  # the update group's rendezvous; +1 for the FP8 engine (a fresh port per group)
 GB = 1e9
+MOE_MODELS = ("qwen3-30b-a3b",)
+# SGLang turns FlashInfer's all-reduce fusion on for MoE at TP > 1 and JIT-compiles it at start (minutes, then the
+# scheduler aborted in that build on 0.5.17); the update times do not depend on it
+NO_ALLREDUCE_FUSION = "--enforce-disable-flashinfer-allreduce-fusion"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -84,7 +88,8 @@ def make_plan(args: argparse.Namespace, gpus: int) -> Plan:
         payload = free or list(range(gpus))
     prequant = [g for g in free if g != trainer] or payload
     flags = (["--tp-size", str(tp)] if tp > 1 else []) + \
-        (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else [])
+        (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []) + \
+        ([NO_ALLREDUCE_FUSION] if tp > 1 and args.model in MOE_MODELS else [])
     return Plan(tp, gpus, trainer if "broadcast" in paths else None, payload, prequant, paths, skipped, flags)
 
 

@@ -31,7 +31,7 @@ PREAMBLE = textwrap.dedent(
     sys.path.insert(0, "tests")
     import torch
     from decode_attention_case import ROW_TOLERANCE, paged_case, reference
-    from sglang_fp8rl.kernels.fp8_decode_attention import DEFAULT_BLOCK_N, MAX_SPLITS, fp8_decode_attention
+    from sglang_fp8rl.kernels.fp8_decode_attention import DEFAULT_BLOCK_N, MAX_SPLITS, fp8_decode_attention, plan_splits
 
     def run(case, **kw):
         return fp8_decode_attention(case["q"], case["k_cache"], case["v_cache"], case["page_table"],
@@ -124,6 +124,25 @@ DETERMINISM_CHECK = PREAMBLE + textwrap.dedent(
         a = run(case, out=torch.full(case["q"].shape, float("nan")), budget=budget)
         b = run(case, out=torch.randn(case["q"].shape), budget=budget)
         assert torch.equal(a, b), ("float32 not reproducible", budget)
+    # a smaller grid (fine 1: no several-wave plans) with the same plan does the same arithmetic: the same bits
+    lens = case["cache_seqlens"].tolist()
+    for budget in (1, 6):
+        assert plan_splits(lens, budget, fine=1) == plan_splits(lens, budget), budget
+        assert torch.equal(run(case, budget=budget, fine=1), run(case, budget=budget)), ("fine 1", budget)
+    # a plan that fine changes (a long sequence among short ones, 39 tiles of 32 over a budget of 5: one wave
+    # would need 18 tiles a program): both within the tolerance of the float64 reference
+    ragged = paged_case(9, 4, 1, 4, 64, 1, [1100, 20, 30, 40])
+    assert plan_splits([1100, 20, 30, 40], 5, 32, fine=1) != plan_splits([1100, 20, 30, 40], 5, 32)
+    for fine in (1, 3):
+        out = run(ragged, out=torch.empty(ragged["q"].shape), budget=5, block_n=32, fine=fine)
+        assert worst_ratio(out, ragged) <= ROW_TOLERANCE, fine
+    for bad in (0, 1.5):
+        try:
+            run(case, fine=bad)
+        except ValueError as e:
+            assert "fine must be an int >= 1" in str(e), e
+        else:
+            raise AssertionError(f"fine={bad} accepted")
     print("decode determinism ok")
     """
 )
@@ -203,10 +222,11 @@ PLAN_CHECK = textwrap.dedent(
         seqlens = torch.tensor(lens, dtype=torch.int32)
         splits = torch.zeros(batch, dtype=torch.int32)
         ends = torch.zeros(batch, dtype=torch.int32)
+        fine = (FINE, 1, 2)[trial % 3]
         plan_kernel[(1,)](seqlens, splits, ends, batch, budget, BLOCK_B=triton.next_power_of_2(batch),
-                          BLOCK_N=block_n, MAX_SPLITS=MAX_SPLITS, FINE=FINE)
-        want = plan_splits(lens, budget, block_n)
-        assert splits.tolist() == want, (lens, budget, block_n, splits.tolist(), want)
+                          BLOCK_N=block_n, MAX_SPLITS=MAX_SPLITS, FINE=fine)
+        want = plan_splits(lens, budget, block_n, fine)
+        assert splits.tolist() == want, (lens, budget, block_n, fine, splits.tolist(), want)
         assert ends.tolist() == [sum(want[: i + 1]) for i in range(batch)], (lens, budget)
     print("decode plan ok")
     """
@@ -222,19 +242,19 @@ def test_the_kernels_plan_is_plan_splits() -> None:
 
 @settings(max_examples=400, deadline=None)
 @given(lens=st.lists(st.integers(0, 200_000), min_size=1, max_size=300), budget=st.integers(1, 264),
-       block_n=st.sampled_from([32, 64, 128]))
-def test_the_plan_fits_one_wave_or_shares_finely_within_the_grid(lens, budget, block_n) -> None:
-    splits = fda.plan_splits(lens, budget, block_n)
+       block_n=st.sampled_from([32, 64, 128]), fine=st.sampled_from([fda.FINE, 1, 2]))
+def test_the_plan_fits_one_wave_or_shares_finely_within_the_grid(lens, budget, block_n, fine) -> None:
+    splits = fda.plan_splits(lens, budget, block_n, fine)
     tiles = [-(-n // block_n) for n in lens]
     even = max(1, -(-sum(tiles) // budget))  # tiles per program if they divided evenly over the budget
     assert len(splits) == len(lens) and all(1 <= s <= fda.MAX_SPLITS for s in splits)
-    assert sum(splits) <= fda.grid_programs(len(lens), budget)  # every program of the plan has a slot in the grid
+    assert sum(splits) <= fda.grid_programs(len(lens), budget, fine)  # every program of the plan has a grid slot
     per_split = [-(-t // s) for t, s in zip(tiles, splits)]
     capped = any(s == fda.MAX_SPLITS for s in splits)
     one_wave = sum(splits) <= budget and 3 * max(per_split) <= 4 * even
-    fine = max(per_split) <= max(1, -(-even // fda.FINE))
+    finer = max(per_split) <= max(1, -(-even // fine))
     full = len(lens) >= budget and max(per_split) <= even  # the batch alone fills a wave: the even share
-    assert one_wave or fine or full or capped, (splits, per_split, even)
+    assert one_wave or finer or full or capped, (splits, per_split, even)
     # one wave is taken whenever a per-program share within 4/3 of the even one fits it
     share = next((p for p in range(even, even * 4 // 3 + 1)
                   if sum(max(1, -(-t // p)) for t in tiles) <= budget), None)

@@ -225,7 +225,10 @@ def test_plan_puts_the_trainer_outside_the_engine():
     the engine, or a TP larger than the machine, is refused naming the option."""
     plan = update_scaleout.make_plan(bench_args("--tp-size", "2"), 4)
     assert (plan.trainer_gpu, plan.payload_gpus, plan.prequant_gpus) == (2, [2], [3])
-    assert "broadcast" in plan.paths and plan.server_flags == ["--tp-size", "2"]
+    assert "broadcast" in plan.paths and plan.server_flags == ["--tp-size", "2"]  # dense: the fusion stays SGLang's
+    plan = update_scaleout.make_plan(bench_args("--tp-size", "2", "--model", "qwen3-30b-a3b"), 4)
+    assert plan.server_flags == ["--tp-size", "2", update_scaleout.NO_ALLREDUCE_FUSION]
+    assert update_scaleout.make_plan(bench_args("--model", "qwen3-30b-a3b"), 4).server_flags == []
     plan = update_scaleout.make_plan(bench_args("--tp-size", "4", "--kv-cache-dtype", "fp8_e4m3"), 4)
     assert plan.trainer_gpu is None and "broadcast" not in plan.paths and "needs 5 GPUs" in plan.skipped["broadcast"]
     assert plan.payload_gpus == [0, 1, 2, 3] and plan.server_flags[-2:] == ["--kv-cache-dtype", "fp8_e4m3"]
@@ -244,7 +247,8 @@ def test_spread_balances_bytes():
 
 def test_bench_update_dry_run_plans_30b_at_tp4(tmp_path, capsys):
     """--dry-run without a GPU: the plan, 15.3 GB of BF16 payload per GPU at TP 4 on four GPUs, both engines'
-    launch commands (read by SGLang's parser: TP 4, the FP8 one with our method), the target lines."""
+    launch commands (read by SGLang's parser: TP 4, the FP8 one with our method, FlashInfer's all-reduce fusion off:
+    on a fresh H200 machine its start-up build ran past 200 s and the scheduler aborted in it), the target lines."""
     rc = bench_update.main(["--model-dir", str(tmp_path / "models"), "--out", str(tmp_path / "o"), "--model",
                             "qwen3-30b-a3b", "--tp-size", "4", "--gpus", "4", "--dry-run"])
     out = json.loads(capsys.readouterr().out)
@@ -253,6 +257,7 @@ def test_bench_update_dry_run_plans_30b_at_tp4(tmp_path, capsys):
     for eng, quant in (("bf16", None), ("fp8", "fp8_online_blockwise")):
         parsed = sglang_server_args(out["launch"][eng].split())
         assert (parsed.tp_size, parsed.quantization, parsed.load_format) == (4, quant, "dummy")
+        assert parsed.enforce_disable_flashinfer_allreduce_fusion
     assert any("no GPU outside the engine's 4" in t for t in out["targets"] if t.startswith("FP8 broadcast <="))
     assert bench_update.main(["--model-dir", "m", "--out", "o", "--tp-size", "2", "--trainer-gpu", "0",
                               "--gpus", "4", "--dry-run"]) == 2

@@ -66,10 +66,12 @@
 #   update    $UPDATE_SCRIPT (default scripts/bench_update.py): full-model update of Qwen3-8B shapes, BF16 vs
 #             fp8_online_blockwise server: by tensor, atomic step, its validate-only phase, pre-quantized FP8, from
 #             disk; UPDATE_ARGS e.g. "--model qwen3-small" or "--skip-disk --repeats 3"  (~7-9 min: own call)
-#             Issue 36 (Qwen3-30B-A3B shapes, 61 GB of BF16; not run on GPUs yet, so no times; a call may end at its
-#             deadline with the paths it reached: split by --paths / --engines, same warm machine):
-#               UPDATE_ARGS="--model qwen3-30b-a3b --tp-size 2 --paths tensor broadcast prequant --repeats 2"
-#                 (four GPUs: engine on GPUs 0-1, the broadcasting trainer and its payload on GPU 2)
+#             Issue 36 (Qwen3-30B-A3B shapes, 61 GB of BF16; MoE at TP > 1 starts with FlashInfer's all-reduce
+#             fusion off, added by the plan). One engine per call: on a fresh four-H200 machine the BF16 engine took
+#             179 s to start at TP 2, the FP8 one 119 s, and each FP8 push 10-16 s (docs/RESULTS.md 25e):
+#               UPDATE_ARGS="--model qwen3-30b-a3b --tp-size 2 --paths tensor broadcast prequant --repeats 2 --engines fp8"
+#                 (four GPUs: engine on GPUs 0-1, the broadcasting trainer and its payload on GPU 2), then the same
+#                 with "--engines bf16"
 #               UPDATE_ARGS="--model qwen3-30b-a3b --tp-size 4 --paths tensor prequant --repeats 2"
 #                 (four GPUs: no broadcast at TP 4 there, NCCL needs a fifth GPU for the trainer)
 #               ... "--paths disk --disk-repeats 1", and "--kv-cache-dtype fp8_e4m3" for the KV recalibration time;

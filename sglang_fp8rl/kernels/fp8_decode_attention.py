@@ -176,15 +176,15 @@ def work_budget(kv_heads: int, sms: int, per_sm: int = RESIDENT_PER_SM) -> int:
     return max(1, sms * per_sm // max(1, kv_heads))
 
 
-def grid_programs(batch: int, budget: int) -> int:
-    """Programs per KV head the grid must hold for any lengths: a plan's splits sum to at most FINE x budget + batch."""
-    return FINE * budget + batch
+def grid_programs(batch: int, budget: int, fine: int = FINE) -> int:
+    """Programs per KV head the grid must hold for any lengths: a plan's splits sum to at most fine x budget + batch."""
+    return fine * budget + batch
 
 
-def plan_splits(seqlens: list[int], budget: int, block_n: int = DEFAULT_BLOCK_N) -> list[int]:
+def plan_splits(seqlens: list[int], budget: int, block_n: int = DEFAULT_BLOCK_N, fine: int = FINE) -> list[int]:
     """Splits per sequence as the kernel plans them (the host's mirror of ``_plan``): the fewest tiles per program
     with which all splits fit one wave of ``budget`` programs, if that is at most 4/3 of the step's tiles over
-    ``budget``; else FINE times smaller programs than that even share, over several waves. Each sequence gets
+    ``budget``; else ``fine`` times smaller programs than that even share, over several waves. Each sequence gets
     ceil(its tiles / tiles per program) splits, at least one, at most MAX_SPLITS."""
     tiles = [-(-n // block_n) for n in seqlens]
     even = max(1, -(-sum(tiles) // budget))
@@ -199,7 +199,7 @@ def plan_splits(seqlens: list[int], budget: int, block_n: int = DEFAULT_BLOCK_N)
             hi = mid
         else:
             lo = mid + 1
-    return splits(lo if 3 * lo <= 4 * even else max(1, -(-even // FINE)))
+    return splits(lo if 3 * lo <= 4 * even else max(1, -(-even // fine)))
 
 
 def cannot_run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -239,16 +239,21 @@ def fp8_decode_attention(
     block_n: int = DEFAULT_BLOCK_N,
     num_warps: int = DEFAULT_WARPS,
     num_stages: int = DEFAULT_STAGES,
+    fine: int = FINE,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V per sequence and query head, K/V read from the FP8 cache: see the module docstring.
 
     ``q`` [B, H, D] (E4M3 or BF16), ``k_cache`` / ``v_cache`` [pages, page_size, H_kv, D] E4M3, ``page_table``
     [B, max_pages] int32, ``cache_seqlens`` [B] int32, ``k_descale`` / ``v_descale`` float32 broadcastable to
     [B, H_kv] (a scalar or per-head scale expanded); ``budget``: programs per KV head to share the step's tiles among
-    (default ``work_budget``). Returns ``out`` (or a new tensor) [B, H, D] in BF16."""
+    (default ``work_budget``); ``fine``: how many times smaller than the even share the programs of a plan that does
+    not fit one wave are (the grid holds ``grid_programs`` of them). Returns ``out`` (or a new tensor) [B, H, D] in
+    BF16."""
     reason = cannot_run(q, k_cache, v_cache, page_table, cache_seqlens)
     if reason:
         raise ValueError(f"fp8_decode_attention: {reason}")
+    if not isinstance(fine, int) or fine < 1:
+        raise ValueError(f"fp8_decode_attention: fine must be an int >= 1, got {fine!r}")
     batch, heads, dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -260,10 +265,10 @@ def fp8_decode_attention(
     v_descale = v_descale.expand(batch, kv_heads)
     if budget is None:
         budget = work_budget(kv_heads, _sm_count(q.device))
-    programs = grid_programs(batch, budget)
+    programs = grid_programs(batch, budget, fine)
     part_o = torch.empty(programs * heads, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(programs * heads, dtype=torch.float32, device=q.device)
-    plan = dict(BLOCK_B=triton.next_power_of_2(batch), BLOCK_N=block_n, MAX_SPLITS=MAX_SPLITS, FINE=FINE)
+    plan = dict(BLOCK_B=triton.next_power_of_2(batch), BLOCK_N=block_n, MAX_SPLITS=MAX_SPLITS, FINE=fine)
     _decode_attn_split_kernel[(programs, kv_heads)](
         q, k_cache, v_cache, page_table, cache_seqlens, k_descale, v_descale, part_o, part_lse,
         q.stride(0), q.stride(1),
@@ -277,7 +282,7 @@ def fp8_decode_attention(
     out3 = out.view(batch, heads, dim)
     _decode_attn_merge_kernel[(batch, heads)](
         cache_seqlens, part_o, part_lse, out3, out3.stride(0), out3.stride(1), heads, batch, budget,
-        SPLITS_P2=triton.next_power_of_2(min(MAX_SPLITS, FINE * budget)), HEAD_DIM=dim, num_warps=4, **plan,
+        SPLITS_P2=triton.next_power_of_2(min(MAX_SPLITS, fine * budget)), HEAD_DIM=dim, num_warps=4, **plan,
     )
     return out
 
