@@ -202,11 +202,12 @@ class Bench:
                 disk_box["thread"].join(max(1.0, phase_end - time.time() - 60))
                 e["waited_for_disk_save_s"] = time.time() - t
 
-            def push(weights: dict, atomic: bool) -> list:
-                return push_state_dict(url, weights, bucket_bytes=a.bucket_mb << 20, atomic=atomic)
+            def push(weights: dict, atomic: bool, flatten: bool = False) -> list:
+                return push_state_dict(url, weights, bucket_bytes=a.bucket_mb << 20, atomic=atomic, flatten=flatten)
 
             # atomic=False: a BF16 server does not know the validate-only format of the atomic step
             e["tensor"] = self.run_path(eng, "tensor", lambda: push(sd, False), phase_end)
+            e["flattened"] = self.run_path(eng, "flattened", lambda: push(sd, False, True), phase_end)
             if eng == "fp8":
                 self.fp8_paths(e, url, sd, push, phase_end)
             update_scaleout.broadcast_path(self, eng, e, url, sd, phase_end, fp8rl_info, sum_bucket_stats)

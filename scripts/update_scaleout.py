@@ -17,10 +17,11 @@ import math
 import time
 from typing import Any, Callable, Optional
 
-PATHS = ("tensor", "atomic", "validate_only", "prequant", "broadcast", "disk")
+# "flattened": by tensor with each bucket as one flattened buffer (push_state_dict(flatten=True))
+PATHS = ("tensor", "flattened", "atomic", "validate_only", "prequant", "broadcast", "disk")
 TARGET_S = 1.0  # issue 36: FP8 engine, one full update of Qwen3-30B-A3B shapes at TP 4, by broadcast and by tensor
 TARGET_MODEL, TARGET_TP = "qwen3-30b-a3b", 4
-TARGET_PATHS = ("tensor", "broadcast")
+TARGET_PATHS = ("tensor", "flattened", "broadcast")
 GROUP_PORT = 29650  # the update group's rendezvous; +1 for the FP8 engine (a fresh port per group)
 GB = 1e9
 MOE_MODELS = ("qwen3-30b-a3b",)

@@ -13,6 +13,7 @@ import faulthandler
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 from rank_pair import STACKS_AFTER_ENV
 
@@ -168,18 +169,40 @@ def scenario_device_failure(runner, extra: dict) -> dict:
             "consistent_after_second": engine_state().consistent, "final_params": snapshot(model)}
 
 
+def decoded_request(named_tensors, load_format):
+    """What a TP worker hands SGLang's WeightUpdater: ``flattened_bucket`` payloads arrive serialized per rank (the
+    format sglang.Engine takes them in), every rank's the same here; anything else as given."""
+    if load_format == "flattened_bucket":
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        return MultiprocessingSerializer.deserialize(named_tensors[0])
+    return named_tensors if isinstance(named_tensors, dict) else list(named_tensors)
+
+
+def request_names(named_tensors, load_format) -> list:
+    """The tensor names of one update request, pairs or flattened bucket."""
+    payload = decoded_request(named_tensors, load_format)
+    if isinstance(payload, dict):
+        return [meta.name for meta in payload["metadata"]]
+    return [name for name, _ in payload]
+
+
 class RunnerEngine:
     """``sglang.Engine``'s update methods without its processes, straight into SGLang's WeightUpdater.
 
-    The serialization step is left out here: SGLang's WeightUpdater patches torch's tensor reductions for CUDA IPC
-    in this process, which breaks pickling CPU tensors afterwards; tests/test_client.py checks the payload format
-    with SGLang's own deserializer in a clean process instead."""
+    The serialization of lists is left out here: SGLang's WeightUpdater patches torch's tensor reductions for CUDA
+    IPC in this process, which breaks pickling CPU tensors afterwards; tests/test_client.py checks the payload format
+    with SGLang's own deserializer in a clean process instead. Flattened buckets arrive serialized, as sglang.Engine
+    takes them (the client's own pickler writes CPU tensors as bytes), and are decoded as a TP worker decodes them."""
+
+    server_args = SimpleNamespace(tp_size=1)
 
     def __init__(self, runner):
         self.updater = _updater(runner)
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        return self.updater.update_weights_from_tensor(list(named_tensors), load_format=load_format)
+        return self.updater.update_weights_from_tensor(decoded_request(named_tensors, load_format),
+                                                       load_format=load_format)
 
     def update_weights_from_disk(self, model_path, load_format=None):
         return self.updater.update_weights_from_disk(model_path, load_format or "auto")
@@ -241,7 +264,8 @@ def scenario_tp_fault(runner, extra: dict) -> dict:
 
 
 def scenario_atomic(runner, extra: dict) -> dict:
-    """All-or-nothing steps with the trainer client: a step whose last bucket the engine refuses, then a good one."""
+    """All-or-nothing steps with the trainer client: a step whose last bucket the engine refuses, then a good one
+    (``extra["flatten"]``: buckets sent flattened)."""
     from sglang_fp8rl.weight_sync.client import WeightPushError, push_state_dict
     from sglang_fp8rl.weight_sync.engine_state import engine_state
 
@@ -249,9 +273,11 @@ def scenario_atomic(runner, extra: dict) -> dict:
     engine = RunnerEngine(runner)
     requests = []
     send = engine.update_weights_from_tensor
+    flatten = extra.get("flatten", False)
 
     def logged(named_tensors, load_format=None, flush_cache=True):
-        requests.append({"load_format": load_format, "names": [n for n, _ in named_tensors]})
+        requests.append({"load_format": load_format, "names": request_names(named_tensors, load_format),
+                         "flush_cache": flush_cache})
         return send(named_tensors, load_format=load_format, flush_cache=flush_cache)
 
     engine.update_weights_from_tensor = logged
@@ -261,17 +287,21 @@ def scenario_atomic(runner, extra: dict) -> dict:
     bad["model.layers.0.mlp.nope.weight"] = torch.ones(2, 2, dtype=torch.bfloat16)  # last: passes the client
     writes = engine_state().writes
     try:
-        push_state_dict(engine, bad, bucket_bytes=extra["bucket_bytes"])
+        push_state_dict(engine, bad, bucket_bytes=extra["bucket_bytes"], flatten=flatten)
         bad_error = None
     except WeightPushError as e:
         bad_error = str(e)
     writes_after_bad = engine_state().writes - writes
     after_bad = snapshot(model)
+    bad_formats = [r["load_format"] for r in requests]
     requests.clear()
-    good_answers = push_state_dict(engine, sd, bucket_bytes=extra["bucket_bytes"])
+    ptrs = pointers(model)
+    good_answers = push_state_dict(engine, sd, bucket_bytes=extra["bucket_bytes"], flatten=flatten)
     return {"before": before, "bad_error": bad_error, "writes_after_bad": writes_after_bad, "after_bad": after_bad,
-            "good_answers": good_answers, "after_good": snapshot(model),
-            "last_request_names": requests[-1]["names"], "formats": [r["load_format"] for r in requests]}
+            "good_answers": good_answers, "after_good": snapshot(model), "bad_formats": bad_formats,
+            "last_request_names": requests[-1]["names"], "formats": [r["load_format"] for r in requests],
+            "flushes": [r["flush_cache"] for r in requests], "pointers_kept": ptrs == pointers(model),
+            "consistent": engine_state().consistent}
 
 
 def scenario_kv(runner, extra: dict) -> dict:

@@ -37,6 +37,10 @@ def test_payload_is_sglangs_per_rank_format():
     assert len(payloads) == 2 and all(isinstance(p, str) for p in payloads)
     back = MultiprocessingSerializer.deserialize(payloads[1])
     assert [n for n, _ in back] == ["a", "b"] and all(torch.equal(x, y) for (_, x), (_, y) in zip(back, named))
+    bucket = {"flattened_tensor": torch.arange(8, dtype=torch.uint8), "metadata": ["m"]}  # a flattened bucket: as is
+    back = MultiprocessingSerializer.deserialize(serialize_for_ranks(bucket, tp_size=1)[0])
+    assert set(back) == {"flattened_tensor", "metadata"}
+    assert torch.equal(back["flattened_tensor"], bucket["flattened_tensor"]) and back["metadata"] == ["m"]
 
 
 @pytest.mark.slow
@@ -207,3 +211,27 @@ def test_the_trainer_end_of_an_nccl_group_matches_sglangs_nccl_settings(caplog):
         other = {"NCCL_CUMEM_ENABLE": "1"}
         match_engine_nccl_env(other)
     assert other == {"NCCL_CUMEM_ENABLE": "1"} and "NCCL_CUMEM_ENABLE=1 here" in caplog.text
+
+
+def test_flattened_bucket_puts_the_widest_dtypes_first():
+    """flatten=True's bucket: SGLang's own class, the FP32 tensors first, then BF16, then FP8 codes, so every tensor
+    starts aligned to its element size (SGLang's order would put an FP32 tensor after 3 BF16 values at byte 6, which
+    the engine refuses); the engine reads back every tensor exactly. Tensors on two devices are refused here."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    from sglang_fp8rl.hooks.transport import check_bucket_metadata, tensors_of_bucket
+    from sglang_fp8rl.weight_sync.client import flattened_bucket
+    from sglang_fp8rl.weight_sync.validate import UpdateRejected
+
+    named = [("a", torch.full((3,), 1.5, dtype=torch.bfloat16)), ("b", torch.arange(4, dtype=torch.float32)),
+             ("c", torch.full((5,), 2.0).to(torch.float8_e4m3fn)), ("d", torch.randn(2, 3)[:, 1].to(torch.bfloat16))]
+    naive = FlattenedTensorBucket(named_tensors=named)
+    with pytest.raises(UpdateRejected, match="b: bucket offset 6 is not aligned"):
+        check_bucket_metadata(naive.get_flattened_tensor(), naive.get_metadata())
+    bucket = flattened_bucket(named, "bucket 1")
+    assert [m.name for m in bucket["metadata"]] == ["b", "a", "d", "c"]
+    back = dict(tensors_of_bucket(bucket))
+    for name, tensor in named:
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name].float(), tensor.float()), name
+    with pytest.raises(WeightPushError, match="bucket 1 not sent: flatten=True needs one device per bucket"):
+        flattened_bucket([("a", torch.ones(2)), ("b", torch.empty(2, device="meta"))], "bucket 1")

@@ -29,6 +29,7 @@ from sgl_model import (
 )
 
 from sglang_fp8rl import quant
+from sglang_fp8rl.weight_sync.protocol import VALIDATE_ONLY, VALIDATE_ONLY_FLATTENED
 
 pytestmark = pytest.mark.slow
 
@@ -177,16 +178,22 @@ def test_tp2_prequantized_update_slices_along_blocks(tmp_path):
             assert_bytes(params[p + "mlp.gate_up_proj.weight_scale"], scale, (rank, gate))
 
 
-def test_atomic_step_with_a_bad_last_bucket_writes_nothing(tmp_path):
+@pytest.mark.parametrize("flatten", [False, True], ids=["pairs", "flattened"])
+def test_atomic_step_with_a_bad_last_bucket_writes_nothing(tmp_path, flatten):
     """push_state_dict(atomic=True): every bucket is validated before any is written, so a bad last bucket leaves
-    every parameter byte-identical; a good step then equals a cold load, and it ends with the step marker."""
+    every parameter byte-identical; a good step then equals a cold load, and it ends with the step marker. With
+    flatten=True every bucket travels as one flattened buffer (FP32 and BF16 tensors together), validated as
+    such, and the step marker follows in a request of its own, which alone flushes the cache."""
     write_checkpoint(str(tmp_path / "w0"), TINY, seed=58)
     w1 = random_state_dict(TINY, seed=59)
     write_checkpoint(str(tmp_path / "w1"), TINY, seed=59, state_dict=w1)
-    torch.save(w1, tmp_path / "w1.pt")
+    # norms in FP32 (exactly the checkpoint's BF16 values) beside BF16 weights: FP32 and BF16 in one bucket
+    pushed = {n: t.float() if "norm" in n else t for n, t in w1.items()}
+    assert {t.dtype for t in pushed.values()} == {torch.float32, torch.bfloat16}
+    torch.save(pushed, tmp_path / "w1.pt")
     cold = run_worker("load", str(tmp_path / "w1"), str(tmp_path / "cold.pt"), *QUANT)
     out = run_worker("atomic", str(tmp_path / "w0"), str(tmp_path / "atomic.pt"), *QUANT,
-                     extra={"state_dict": str(tmp_path / "w1.pt"), "bucket_bytes": 256 << 10})
+                     extra={"state_dict": str(tmp_path / "w1.pt"), "bucket_bytes": 256 << 10, "flatten": flatten})
     assert "step validation" in out["bad_error"] and "not a parameter" in out["bad_error"]
     assert out["writes_after_bad"] == 0  # not one writing request reached the engine
     for name, before in out["before"].items():
@@ -195,6 +202,17 @@ def test_atomic_step_with_a_bad_last_bucket_writes_nothing(tmp_path):
     for name, want in cold["params"].items():
         assert_bytes(out["after_good"][name], want, name)
     assert out["last_request_names"][-1] == "fp8rl.step_complete"
+    assert out["pointers_kept"] and out["consistent"]
+    formats, flushes = out["formats"], out["flushes"]
+    if flatten:
+        buckets = formats.count("flattened_bucket")
+        assert set(out["bad_formats"]) == {VALIDATE_ONLY_FLATTENED}
+        assert formats == [VALIDATE_ONLY_FLATTENED] * buckets + ["flattened_bucket"] * buckets + [None], formats
+        assert out["last_request_names"] == ["fp8rl.step_complete"] and buckets > 3  # really bucketed
+    else:
+        assert set(out["bad_formats"]) == {VALIDATE_ONLY}
+        assert formats[: len(formats) // 2] == [VALIDATE_ONLY] * (len(formats) // 2)
+    assert flushes == [False] * (len(flushes) - 1) + [True]  # the cache is flushed once, by the last request
 
 
 def split_pairs(payload: dict) -> list[list[tuple[str, torch.Tensor]]]:

@@ -69,7 +69,7 @@
 #             Issue 36 (Qwen3-30B-A3B shapes, 61 GB of BF16; MoE at TP > 1 starts with FlashInfer's all-reduce
 #             fusion off, added by the plan). One engine per call: on a fresh four-H200 machine the BF16 engine took
 #             179 s to start at TP 2, the FP8 one 119 s, and each FP8 push 10-16 s (docs/RESULTS.md 25e):
-#               UPDATE_ARGS="--model qwen3-30b-a3b --tp-size 2 --paths tensor broadcast prequant --repeats 2 --engines fp8"
+#               UPDATE_ARGS="--model qwen3-30b-a3b --tp-size 2 --paths tensor flattened broadcast prequant --engines fp8"
 #                 (four GPUs: engine on GPUs 0-1, the broadcasting trainer and its payload on GPU 2), then the same
 #                 with "--engines bf16"
 #               UPDATE_ARGS="--model qwen3-30b-a3b --tp-size 4 --paths tensor prequant --repeats 2"

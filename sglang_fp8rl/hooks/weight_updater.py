@@ -16,18 +16,18 @@ from sglang_fp8rl.compat.updates import decode_own_rank, updater_model
 from sglang_fp8rl.hooks.transport import checkpoint_weights, decoded_or_refused, stock_request, tensors_of_request
 from sglang_fp8rl.weight_sync import pipeline
 from sglang_fp8rl.weight_sync.load_guard import is_attached
-from sglang_fp8rl.weight_sync.protocol import VALIDATE_ONLY
+from sglang_fp8rl.weight_sync.protocol import VALIDATE_FORMATS
 
 
 def wrap_update_from_tensor(original: Callable) -> Callable:
     """WeightUpdater.update_weights_from_tensor: the pairs or bucket of the request, through the pipeline."""
     def update_weights_from_tensor(self, named_tensors, load_format=None):
         model = updater_model(self)
-        if not is_attached(model) and load_format != VALIDATE_ONLY:
+        if not is_attached(model) and load_format not in VALIDATE_FORMATS:
             return original(self, stock_request(named_tensors, load_format), load_format)
         return pipeline.run(model, f"tensor/{load_format or 'list'}", self, "update_weights_from_tensor",
                             functools.partial(tensors_of_request, self, named_tensors, load_format),
-                            validate_only=load_format == VALIDATE_ONLY)
+                            validate_only=load_format in VALIDATE_FORMATS)
 
     return update_weights_from_tensor
 

@@ -31,7 +31,13 @@ from torch.multiprocessing import reductions  # importing it registers torch's r
 from sglang_fp8rl.compat.updates import reduce_host_tensor
 from sglang_fp8rl.quant import extremes, extremes_finite_in_bf16
 from sglang_fp8rl.weight_sync.errors import WeightPushError
-from sglang_fp8rl.weight_sync.protocol import SCALE_SUFFIX, STEP_COMPLETE, VALIDATE_ONLY
+from sglang_fp8rl.weight_sync.protocol import (
+    FLATTENED_BUCKET,
+    SCALE_SUFFIX,
+    STEP_COMPLETE,
+    VALIDATE_ONLY,
+    VALIDATE_ONLY_FLATTENED,
+)
 from sglang_fp8rl.weight_sync.session import step_session
 
 logger = logging.getLogger(__name__)
@@ -108,6 +114,23 @@ def preflight(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
             raise WeightPushError(f"{what} not sent: {name}: contains NaN/Inf in BF16")
 
 
+def flattened_bucket(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> dict[str, Any]:
+    """SGLang's flattened bucket of ``bucket`` (one uint8 buffer and its metadata, built by SGLang's own class),
+    the widest dtypes first: every tensor then starts aligned to its element size, as the engine requires."""
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    except ImportError as e:  # its metadata unpickles on the engine as SGLang's class: the trainer needs SGLang
+        raise WeightPushError(f"{what} not sent: flatten=True builds SGLang's FlattenedTensorBucket, and SGLang "
+                              f"does not import here ({e})") from e
+    devices = {str(t.device) for _, t in bucket}
+    if len(devices) > 1:
+        raise WeightPushError(f"{what} not sent: flatten=True needs one device per bucket, got {sorted(devices)} "
+                              f"({bucket[0][0]} ...): move the tensors, or push with flatten=False")
+    ordered = sorted(bucket, key=lambda item: -item[1].element_size())  # stable: same-width tensors keep their order
+    packed = FlattenedTensorBucket(named_tensors=[(name, t.contiguous()) for name, t in ordered])
+    return {"flattened_tensor": packed.get_flattened_tensor(), "metadata": packed.get_metadata()}
+
+
 def _check_answer(answer: Any, what: str) -> Any:
     """Raise WeightPushError unless the engine answered success."""
     if isinstance(answer, dict):
@@ -170,34 +193,53 @@ def serialize(obj: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def serialize_for_ranks(named: Sequence[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
-    """One serialized payload per TP rank (SGLang's format; CUDA tensors travel as IPC handles)."""
-    return [serialize(list(named)) for _ in range(tp_size)]
+def serialize_for_ranks(named: Union[Sequence[tuple[str, torch.Tensor]], dict], tp_size: int) -> list[str]:
+    """One serialized payload per TP rank (SGLang's format; CUDA tensors travel as IPC handles): a list of pairs,
+    or a flattened bucket's dict."""
+    obj = named if isinstance(named, dict) else list(named)
+    return [serialize(obj) for _ in range(tp_size)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # transports
 
 
-def _send_tensors(target: Any, bucket: list, tp_size: Optional[int], load_format: Optional[str], flush_cache: bool,
-                  what: str, timeout: float) -> Any:
+def _send_tensors(target: Any, bucket: Union[list, dict], tp_size: Optional[int], load_format: Optional[str],
+                  flush_cache: bool, what: str, timeout: float) -> Any:
     if isinstance(target, str):
         payload = {"serialized_named_tensors": serialize_for_ranks(bucket, tp_size), "flush_cache": flush_cache,
                    "load_format": load_format}
         return _check_answer(_post(target, "/update_weights_from_tensor", payload, timeout), what)
+    if load_format == FLATTENED_BUCKET:  # sglang.Engine takes this format's payloads serialized per rank already
+        bucket = serialize_for_ranks(bucket, target.server_args.tp_size)
     return _check_answer(target.update_weights_from_tensor(bucket, load_format=load_format, flush_cache=flush_cache),
                          what)
 
 
+def _send_bucket(target: Any, bucket: list, tp_size: Optional[int], flatten: bool, validate: bool, flush_cache: bool,
+                 what: str, timeout: float) -> Any:
+    """One bucket, as pairs or flattened, to be validated only or written."""
+    if not flatten:
+        return _send_tensors(target, bucket, tp_size, VALIDATE_ONLY if validate else None, flush_cache, what, timeout)
+    return _send_tensors(target, flattened_bucket(bucket, what), tp_size,
+                         VALIDATE_ONLY_FLATTENED if validate else FLATTENED_BUCKET, flush_cache, what, timeout)
+
+
 def push_state_dict(target: Any, weights: NamedTensors, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                    timeout: float = DEFAULT_TIMEOUT_S, atomic: bool = True, complete: bool = True) -> list:
+                    timeout: float = DEFAULT_TIMEOUT_S, atomic: bool = True, complete: bool = True,
+                    flatten: bool = False) -> list:
     """Push one trainer step by tensor, bucket by bucket; the KV cache is flushed once, after the last bucket.
 
     ``atomic`` (default): every bucket is first validated by the engine (requests that write nothing), and only if
     all pass are they applied, so a refused bucket leaves every weight as it was. With ``complete`` (default) the
     last bucket carries the step-complete marker (an engine with calibrated FP8 KV scales then recalibrates).
     ``weights`` may mix BF16/FP16/FP32 tensors and pre-quantized FP8 (``<name>`` as float8_e4m3fn codes with
-    ``<name>_scale_inv``). Returns the engine's answers to the writing requests."""
+    ``<name>_scale_inv``). With ``flatten`` each bucket travels as SGLang's flattened bucket (load_format
+    ``flattened_bucket``): one buffer, so one CUDA IPC handle, instead of one per tensor; for models of many small
+    tensors (MoE experts). It needs SGLang importable here and one device per bucket, and copies each bucket once
+    into its buffer, which is freed when the engine has answered (the engine synchronizes its device before it
+    answers). Returns the engine's answers to the writing requests (with ``flatten``, the step-complete marker's
+    request last)."""
     chunks = list(buckets(weights, bucket_bytes))
     for bucket in chunks:
         preflight(bucket, "update_weights_from_tensor")
@@ -209,8 +251,9 @@ def push_state_dict(target: Any, weights: NamedTensors, bucket_bytes: int = DEFA
             for i, bucket in enumerate(chunks):
                 what = f"step validation (bucket {i + 1}/{len(chunks)}: {bucket[0][0]} ...), nothing of the step " \
                        "written"
-                _send_tensors(target, bucket, tp_size, VALIDATE_ONLY, False, what, timeout)
-        if complete and not in_session:  # in a session, its end completes the step
+                _send_bucket(target, bucket, tp_size, flatten, True, False, what, timeout)
+        marker = complete and not in_session  # in a session, its end completes the step
+        if marker and not flatten:
             chunks[-1] = chunks[-1] + [(STEP_COMPLETE, torch.zeros(()))]
         answers = []
         for i, bucket in enumerate(chunks):
@@ -218,7 +261,12 @@ def push_state_dict(target: Any, weights: NamedTensors, bucket_bytes: int = DEFA
             what = f"update_weights_from_tensor (bucket {i + 1}/{len(chunks)}: {bucket[0][0]} ...)"
             if i:
                 what += f"; buckets 1-{i} of this step were written before it"
-            answers.append(_send_tensors(target, bucket, tp_size, None, last, what, timeout))
+            flush = last and not (marker and flatten)  # the cache is flushed once, by the step's last request
+            answers.append(_send_bucket(target, bucket, tp_size, flatten, False, flush, what, timeout))
+        if marker and flatten:  # its own list request: an engine without this package drops it there, not in a bucket
+            answers.append(_send_tensors(target, [(STEP_COMPLETE, torch.zeros(()))], tp_size, None, True,
+                                         f"update_weights_from_tensor (the step-complete marker, after all "
+                                         f"{len(chunks)} buckets were written)", timeout))
     return answers
 
 

@@ -17,6 +17,11 @@ VALIDATE_ONLY = "fp8rl.validate"
 # SGLang's load_format of one flattened tensor with its per-tensor metadata (sglang.srt.weight_sync.tensor_bucket)
 FLATTENED_BUCKET = "flattened_bucket"
 
+# load_format of a validate-only request whose tensors travel as one flattened bucket (the first phase of an
+# all-or-nothing step sent with flatten=True)
+VALIDATE_ONLY_FLATTENED = VALIDATE_ONLY + "." + FLATTENED_BUCKET
+VALIDATE_FORMATS = (VALIDATE_ONLY, VALIDATE_ONLY_FLATTENED)
+
 # pre-quantized FP8: ``<name>`` as float8_e4m3fn codes travels with ``<name>_scale_inv`` (float32 block scales)
 SCALE_SUFFIX = "_scale_inv"
 
