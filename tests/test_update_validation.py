@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 
 from sglang_fp8rl.layers.fp8_storage import copy_pairs
+from sglang_fp8rl.weight_sync import finite as F
 from sglang_fp8rl.weight_sync import request as R
 from sglang_fp8rl.weight_sync import validate as U
 
@@ -58,8 +59,8 @@ def good():
 def test_clean_request_is_one_dry_run_call_and_one_sync(monkeypatch):
     model = TinyModel()
     syncs = []
-    real = U.extremes_finite_in_bf16
-    monkeypatch.setattr(U, "extremes_finite_in_bf16", lambda ends: syncs.append(ends.numel()) or real(ends))
+    real = F.extremes_finite_in_bf16
+    monkeypatch.setattr(F, "extremes_finite_in_bf16", lambda ends: syncs.append(ends.numel()) or real(ends))
     validated = R.validate_request(model, model.load_weights, good())
     assert [n for n, _ in validated.to_load] == ["a", "b"] and validated.plain_params == 2
     assert model.calls == 1 and syncs == [4]  # min and max of both (host) tensors, checked together
@@ -181,10 +182,27 @@ def test_fast_finiteness_check_never_passes_a_bad_tensor(specs, seed):
     reference_bad = any(bool((~torch.isfinite(t.double()) | (t.double().abs() > bf16_max * (1 + 2**-9))).any())
                         for t in tensors)
     assert bad == reference_bad
-    assert U._host_finite_in_bf16(tensors) == (not bad)  # min/max in the host pool: exact
+    assert F._host_finite_in_bf16(tensors) == (not bad)  # min/max in the host pool: exact
     assert U.all_finite_in_bf16(tensors) == (not bad)  # host tensors take that path
     if bad:
-        assert not U._device_finite_in_bf16(tensors)  # the device path's L1 norm (runs on CPU too): conservative
+        assert not F._device_finite_in_bf16(tensors)  # the device path's L1 norm (runs on CPU too): conservative
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 100, 1 << 20])
+def test_host_check_in_chunks_is_exact(monkeypatch, chunk_bytes):
+    """The host check's chunks (one tensor each, a few mixed-dtype tensors each, one chunk checked on the calling
+    thread) find a bad value wherever it is, and pass when there is none."""
+    monkeypatch.setattr(F, "HOST_CHECK_CHUNK_BYTES", chunk_bytes)
+    g = torch.Generator().manual_seed(7)
+    dtypes = [torch.bfloat16, torch.float32, torch.float16]
+    good = [torch.randn(n, generator=g).to(dtypes[n % 3]) for n in range(1, 40)]
+    assert F._host_finite_in_bf16(good)
+    for i in (0, 17, len(good) - 1):
+        for value in (float("nan"), float("-inf"), 3.4e38):
+            bad = [t.clone() for t in good]
+            bad[i] = bad[i].float()
+            bad[i][-1] = value
+            assert not F._host_finite_in_bf16(bad), (i, value)
 
 
 def test_copied_norms_get_what_the_default_loader_writes():

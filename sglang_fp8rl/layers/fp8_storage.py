@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Iterator, Sequence
 from typing import Optional
@@ -181,6 +182,13 @@ class IncomingWrite:
     src_cols: Optional[slice] = None
     dst_rows: Optional[slice] = None
 
+    @functools.cached_property
+    def block_destination(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``weight`` and of its block ``scale`` that this write quantizes into: views made once, since the
+        dry run's records (and so this write) serve every request of their signature."""
+        rows = scale_rows(self.dst_rows, self.state.block_size[0], self.weight.shape[0])
+        return self.weight[self.dst_rows], self.scale[rows]
+
 
 def write_planned(writes: Sequence[tuple[IncomingWrite, torch.Tensor]]) -> None:
     """Write many incoming tensors at their planned places, with the results of :func:`write_incoming` on each, in
@@ -199,8 +207,7 @@ def write_planned(writes: Sequence[tuple[IncomingWrite, torch.Tensor]]) -> None:
         elif is_prequantized(loaded):
             copies += sent_blocks(state, loaded, target.src_rows, target.src_cols, weight, scale, target.dst_rows)
         else:
-            rows = scale_rows(target.dst_rows, state.block_size[0], weight.shape[0])
-            item = (loaded[target.src_rows, target.src_cols], weight[target.dst_rows], scale[rows])
+            item = (loaded[target.src_rows, target.src_cols], *target.block_destination)
             quantize.setdefault((state.block_size, state.scale_format), []).append(item)
             flags[(state.block_size, state.scale_format)] = _flag_for(state, weight.device)
     copy_pairs(copies)

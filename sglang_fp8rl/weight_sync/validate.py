@@ -12,11 +12,8 @@ it is remembered per request signature. Every failure raises :class:`UpdateRejec
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import dataclasses
-import functools
-import os
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -29,6 +26,7 @@ from sglang_fp8rl.layers.fp8_storage import CHECK_ATTR, IncomingWrite, is_prequa
 from sglang_fp8rl.layers.moe import EXPERT_WEIGHTS, unquantized_expert_shape
 from sglang_fp8rl.layers.placement import placement_for_layer
 from sglang_fp8rl.quant import FP8_DTYPE, extremes, extremes_finite_in_bf16
+from sglang_fp8rl.weight_sync.finite import all_finite_in_bf16
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
@@ -38,7 +36,6 @@ WIRE_DTYPES = ACCEPTED_DTYPES + (FP8_DTYPE,)  # what may travel: FP8 E4M3 codes 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # what SGLang's loaders raise on a tensor they do not take (asserts included)
 DRY_RUN_ERRORS = (ValueError, AssertionError, KeyError, RuntimeError, IndexError, TypeError, AttributeError)
-HOST_CHECK_THREADS = min(8, os.cpu_count() or 1)  # threads checking host tensors (see _host_finite_in_bf16)
 DRY_RUN_CACHE_SIZE = 256  # request signatures remembered per model (an 8B model in 512 MB buckets uses ~33)
 
 
@@ -82,39 +79,6 @@ def check_tensors(named_tensors: NamedTensors) -> None:
     if not all_finite_in_bf16([t for _, t in named_tensors if t.numel() and not is_prequantized(t)]):
         for name, tensor in named_tensors:
             check_tensor(name, tensor)
-
-
-def all_finite_in_bf16(tensors: Sequence[torch.Tensor]) -> bool:
-    """Conservative: True only if every tensor is finite in BF16 (the exact per-tensor check names the culprit)."""
-    on_host = [t for t in tensors if t.device.type == "cpu"]
-    return _host_finite_in_bf16(on_host) and _device_finite_in_bf16([t for t in tensors if t.device.type != "cpu"])
-
-
-def _device_finite_in_bf16(tensors: Sequence[torch.Tensor]) -> bool:
-    """One multi-tensor L1 norm per (device, dtype): the L1 norm propagates NaN and Inf (a max-based reduction may
-    drop NaN), and an FP32 value past BF16's range makes it Inf in BF16 too; it can also overflow for huge finite
-    tensors, which the exact check then clears."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    norms: dict[torch.device, list[torch.Tensor]] = {}
-    for (device, _), group in groups.items():
-        norms.setdefault(device, []).append(torch.stack(torch._foreach_norm(group, 1)).float())
-    return all(extremes_finite_in_bf16(torch.cat(parts)) for parts in norms.values())
-
-
-def _host_finite_in_bf16(tensors: Sequence[torch.Tensor]) -> bool:
-    """Host tensors (a checkpoint read from disk): min and max of each, in a small thread pool. SGLang runs a GPU
-    worker with one intra-op thread, where an L1 norm reads BF16 at ~2 GB/s and aminmax (read-only, NaN propagates
-    into both ends) at ~15 GB/s; the pool's threads run ATen kernels without the GIL."""
-    if not tensors:
-        return True
-    return extremes_finite_in_bf16(torch.cat(list(_host_pool().map(extremes, tensors))))
-
-
-@functools.lru_cache(maxsize=1)
-def _host_pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(HOST_CHECK_THREADS, thread_name_prefix="fp8rl-check")
 
 
 def request_bytes(named_tensors: Sequence[tuple[Any, Any]]) -> int:
