@@ -64,10 +64,11 @@ def test_the_kernels_plan_at_equal_lengths_was_among_the_best_measured_on_the_h1
 def test_sweep_variants_and_none_without_a_sweep():
     assert bench().variants({}) == []  # --no-sweep: no variant (an empty product is one empty variant)
     quick = bench().variants(bench().QUICK_SWEEP)
-    assert len(quick) == 6 and {v["per_sm"] for v in quick} == {1, 2, 4} and {v["fine"] for v in quick} == {1, 3}
-    assert all(set(v) == {"block_n", "num_warps", "num_stages", "per_sm", "fine"} for v in quick)
-    # each configuration at the default grid and at the one-wave grid back to back: a cut sweep still pairs them
-    assert [v["fine"] for v in quick[:2]] == [3, 1] and quick[0]["per_sm"] == quick[1]["per_sm"]
+    assert len(quick) == 12 and {v["per_sm"] for v in quick} == {1, 2, 4} and {v["fine"] for v in quick} == {1, 3}
+    assert all(set(v) == {"block_n", "num_warps", "num_stages", "per_sm", "fine", "preplan"} for v in quick)
+    # each configuration's four forms (grid x where the plan is made) back to back: a cut sweep still compares them
+    assert [(v["fine"], v["preplan"]) for v in quick[:4]] == [(3, False), (3, True), (1, False), (1, True)]
+    assert len({v["per_sm"] for v in quick[:4]}) == 1
 
 
 def test_ragged_cells_and_their_labels():
@@ -80,6 +81,8 @@ def test_ragged_cells_and_their_labels():
     assert bench().cell_label({"batch": 8, "context": 4096}) == "8 x 4096"
     assert bench().work_of({"budget": 33, "splits": 11}) == "budget 33 (11 splits at most)"  # runs before fine
     assert bench().work_of({"budget": 33, "fine": 1, "splits": 4}) == "budget 33, fine 1 (4 splits at most)"
+    assert bench().work_of({"budget": 33, "fine": 3, "preplan": True, "splits": 4}) == \
+        "budget 33, fine 3, preplan (4 splits at most)"
     assert bench().work_of({"splits": 4}) == "4 splits"
 
 

@@ -61,7 +61,8 @@ PROPERTY_CHECK = PREAMBLE + textwrap.dedent(
                     dim=draw(st.sampled_from([64, 128])), page=draw(st.sampled_from([1, 4, 16])),
                     lens=draw(st.lists(st.integers(1, 300), min_size=batch, max_size=batch)),
                     amp=draw(st.sampled_from([0.25, 2.0, 16.0])), scalar_descale=draw(st.booleans()),
-                    budget=budget, block_n=block_n, seed=draw(st.integers(0, 2**31 - 1)))
+                    budget=budget, block_n=block_n, seed=draw(st.integers(0, 2**31 - 1)),
+                    preplan=draw(st.booleans()))
 
     @settings(max_examples=12, deadline=None, database=None)
     @given(shapes())
@@ -80,10 +81,10 @@ PROPERTY_CHECK = PREAMBLE + textwrap.dedent(
     @example(dict(batch=1, kv_heads=2, group=2, dim=64, page=1, lens=[300], amp=2.0, scalar_descale=False,
                   budget=100, block_n=4, seed=5))
     def matches_the_float64_reference(shape):
-        budget, block_n = shape.pop("budget"), shape.pop("block_n")
+        budget, block_n, preplan = shape.pop("budget"), shape.pop("block_n"), shape.pop("preplan", False)
         case = paged_case(**shape)
         out = torch.full(case["q"].shape, float("nan"))  # float32: the output's rounding does not hide errors
-        assert run(case, out=out, budget=budget, block_n=block_n) is out
+        assert run(case, out=out, budget=budget, block_n=block_n, preplan=preplan) is out
         ratio = worst_ratio(out, case)
         assert ratio <= ROW_TOLERANCE, (shape, budget, block_n, ratio)
         worst[0] = max(worst[0], ratio)
@@ -129,6 +130,9 @@ DETERMINISM_CHECK = PREAMBLE + textwrap.dedent(
     for budget in (1, 6):
         assert plan_splits(lens, budget, fine=1) == plan_splits(lens, budget), budget
         assert torch.equal(run(case, budget=budget, fine=1), run(case, budget=budget)), ("fine 1", budget)
+    # the plan written once by its own launch (preplan): the same plan, so the same bits, idle programs included
+    for budget in (None, 1, 6, 64):
+        assert torch.equal(run(case, budget=budget, preplan=True), run(case, budget=budget)), ("preplan", budget)
     # a plan that fine changes (a long sequence among short ones, 39 tiles of 32 over a budget of 5: one wave
     # would need 18 tiles a program): both within the tolerance of the float64 reference
     ragged = paged_case(9, 4, 1, 4, 64, 1, [1100, 20, 30, 40])
@@ -136,13 +140,15 @@ DETERMINISM_CHECK = PREAMBLE + textwrap.dedent(
     for fine in (1, 3):
         out = run(ragged, out=torch.empty(ragged["q"].shape), budget=5, block_n=32, fine=fine)
         assert worst_ratio(out, ragged) <= ROW_TOLERANCE, fine
-    for bad in (0, 1.5):
+        planned = run(ragged, out=torch.empty(ragged["q"].shape), budget=5, block_n=32, fine=fine, preplan=True)
+        assert torch.equal(planned, out), ("preplan", fine)
+    for bad in ({"fine": 0}, {"fine": 1.5}, {"preplan": 1}):
         try:
-            run(case, fine=bad)
+            run(case, **bad)
         except ValueError as e:
-            assert "fine must be an int >= 1" in str(e), e
+            assert f"{next(iter(bad))} must be" in str(e), e
         else:
-            raise AssertionError(f"fine={bad} accepted")
+            raise AssertionError(f"{bad} accepted")
     print("decode determinism ok")
     """
 )

@@ -44,11 +44,13 @@ CELLS = [(1, 4096), (1, 12288), (8, 4096), (8, 12288), (32, 4096), (32, 12288), 
          (384, 1024)]
 RAGGED_CELLS = [(8, 4096), (32, 4096), (64, 2048), (128, 1024)]
 QUICK_CELLS = [(1, 4096), (8, 4096), (32, 4096), (128, 1024)]
-# "fine" 1 is the grid of the plan's first form (budget + batch programs per KV head, no several-wave plans): beside
-# the default it shows what the larger grid costs where every plan fits one wave (the H200 run of RESULTS 25b)
+# "fine" 1 is the grid of the plan's first form (budget + batch programs per KV head, no several-wave plans) and
+# "preplan" the plan written once by its own launch: beside the default they separate the two costs the H200 run of
+# RESULTS 25b found at 1-8 sequences (a larger grid of idle programs, the plan computed in every program)
 SWEEP = {"block_n": (64, 128), "num_warps": (4,), "num_stages": (2, 3, 4), "per_sm": (1, 2, 3, 4, 6),
-         "fine": (FDA.FINE, 1)}
-QUICK_SWEEP = {"block_n": (128,), "num_warps": (4,), "num_stages": (3,), "per_sm": (1, 2, 4), "fine": (FDA.FINE, 1)}
+         "fine": (FDA.FINE, 1), "preplan": (False, True)}
+QUICK_SWEEP = {"block_n": (128,), "num_warps": (4,), "num_stages": (3,), "per_sm": (1, 2, 4), "fine": (FDA.FINE, 1),
+               "preplan": (False, True)}
 RAGGED_SIGMA = 1.0
 L2_DEFEAT_BYTES = 512 << 20  # the cache copies of a cell span at least this much
 MAX_COPIES = 36
@@ -145,7 +147,7 @@ def fa3_calls(cell: Cell, fp8: bool):
 def split_kv_call(cell: Cell, cfg: dict, sms: int):
     """The kernel's call on a cell with ``cfg``'s variant, its work budget and its plan's largest split count."""
     budget = FDA.work_budget(KV_HEADS, sms, cfg.get("per_sm", FDA.RESIDENT_PER_SM))
-    kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "fine") if k in cfg}
+    kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "fine", "preplan") if k in cfg}
     splits = max(FDA.plan_splits(cell.lengths, budget, kw.get("block_n", FDA.DEFAULT_BLOCK_N),
                                  kw.get("fine", FDA.FINE)))
 
@@ -220,8 +222,9 @@ def cell_label(row: dict) -> str:
 def work_of(variant: dict) -> str:
     """How a variant shared the work: its budget (programs per KV head) or, in runs before the plan, its splits."""
     if "budget" in variant:
-        fine = f", fine {variant['fine']}" if "fine" in variant else ""  # runs before the option had none
-        return f"budget {variant['budget']}{fine} ({variant['splits']} splits at most)"
+        fine = f", fine {variant['fine']}" if "fine" in variant else ""  # runs before these options had none
+        preplan = ", preplan" if variant.get("preplan") else ""
+        return f"budget {variant['budget']}{fine}{preplan} ({variant['splits']} splits at most)"
     return f"{variant['splits']} splits"
 
 

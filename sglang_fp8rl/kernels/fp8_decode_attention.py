@@ -17,7 +17,10 @@ TB/s (docs/RESULTS.md sec. 21a), so half the bytes bought 1.1-1.3x. This kernel 
   within 4/3 of an even share of the step's tiles, else ``FINE`` times less than the even share, over several
   waves. A long sequence among short ones is read by many programs, not by one that the whole step waits for. The
   grid is fixed per batch size (``grid_programs``), so a CUDA graph captured at one context replays at any lengths;
-* a second launch merges each sequence's splits by their log-sum-exp, in split order (deterministic).
+* a second launch merges each sequence's splits by their log-sum-exp, in split order (deterministic);
+* with ``preplan`` a first, small launch writes the plan and both kernels read their part of it (three loads a
+  program instead of the plan; the same plan, so the same bits): a variant for the benchmark, measured against the
+  default before it serves.
 
 K, V and the query are widened to FP16 in registers (E4M3 -> FP16 is exact); the scores and the weighted sum use FP16
 MMAs with float32 accumulation, P rounded to FP16 (FA3's FP8 path rounds it to E4M3).
@@ -52,6 +55,7 @@ RESIDENT_PER_SM = 2
 # three times the one-wave budget was the fastest budget tried at 32-128 sequences, 1.18-1.22x faster than one wave's
 FINE = 3
 LOG2E = 1.4426950408889634
+PLAN_BLOCK_P = 64  # split-launch programs one program of the plan launch describes (``preplan``)
 # what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
 # caller may run another kernel instead; a kernel that compiled never raises these
 BUILD_ERRORS = (CompilationError, OutOfResources)
@@ -81,26 +85,57 @@ def _plan(seqlens_ptr, batch, budget, BLOCK_B: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _plan_kernel(seqlens_ptr, plan_ptr, batch, budget, programs, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MAX_SPLITS: tl.constexpr, FINE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The step's plan written once (``preplan``), for BLOCK_P programs per program of this launch: per program of
+    the split launch its sequence (``batch``: no work), split and tiles per split, at plan_ptr[0:3 * programs]; per
+    sequence its first program and its splits after them."""
+    offs_b, tiles, splits, ends = _plan(seqlens_ptr, batch, budget, BLOCK_B, BLOCK_N, MAX_SPLITS, FINE)
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    seq = tl.sum((ends[None, :] <= offs_p[:, None]).to(tl.int32), 1)
+    mine = offs_b[None, :] == seq[:, None]
+    my_splits = tl.sum(tl.where(mine, splits[None, :], 0), 1)
+    split = offs_p - (tl.sum(tl.where(mine, ends[None, :], 0), 1) - my_splits)
+    tiles_per_split = tl.cdiv(tl.sum(tl.where(mine, tiles[None, :], 0), 1), tl.maximum(my_splits, 1))
+    in_grid = offs_p < programs
+    tl.store(plan_ptr + offs_p, seq, mask=in_grid)
+    tl.store(plan_ptr + programs + offs_p, split, mask=in_grid)
+    tl.store(plan_ptr + 2 * programs + offs_p, tiles_per_split, mask=in_grid)
+    if tl.program_id(0) == 0:
+        in_batch = offs_b < batch
+        tl.store(plan_ptr + 3 * programs + offs_b, ends - splits, mask=in_batch)
+        tl.store(plan_ptr + 3 * programs + batch + offs_b, splits, mask=in_batch)
+
+
+@triton.jit
 def _decode_attn_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seqlens_ptr, k_descale_ptr, v_descale_ptr, part_o_ptr, part_lse_ptr,
     stride_q_tok, stride_q_head,
     stride_k_page, stride_k_off, stride_k_head,
     stride_v_page, stride_v_off, stride_v_head,
     stride_pt, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h,
-    scale_log2, num_heads, batch, budget,
+    scale_log2, num_heads, batch, budget, plan_ptr, programs,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
+    PREPLAN: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
-    offs_b, tiles, splits, ends = _plan(seqlens_ptr, batch, budget, BLOCK_B, BLOCK_N, MAX_SPLITS, FINE)
-    seq = tl.sum((ends <= program).to(tl.int32), 0)  # the sequence whose run of programs holds this one
-    if seq >= batch:
-        return  # the grid holds the most programs a plan can need; this one has no work in this step's plan
-    mine = offs_b == seq
-    my_splits = tl.sum(tl.where(mine, splits, 0), 0)
-    split = program - (tl.sum(tl.where(mine, ends, 0), 0) - my_splits)
-    tiles_per_split = tl.cdiv(tl.sum(tl.where(mine, tiles, 0), 0), my_splits)
+    if PREPLAN:  # the plan kernel's descriptors: three loads instead of the plan
+        seq = tl.load(plan_ptr + program)
+        if seq >= batch:
+            return  # no work in this step's plan
+        split = tl.load(plan_ptr + programs + program)
+        tiles_per_split = tl.load(plan_ptr + 2 * programs + program)
+    else:
+        offs_b, tiles, splits, ends = _plan(seqlens_ptr, batch, budget, BLOCK_B, BLOCK_N, MAX_SPLITS, FINE)
+        seq = tl.sum((ends <= program).to(tl.int32), 0)  # the sequence whose run of programs holds this one
+        if seq >= batch:
+            return  # the grid holds the most programs a plan can need; this one has no work in this step's plan
+        mine = offs_b == seq
+        my_splits = tl.sum(tl.where(mine, splits, 0), 0)
+        split = program - (tl.sum(tl.where(mine, ends, 0), 0) - my_splits)
+        tiles_per_split = tl.cdiv(tl.sum(tl.where(mine, tiles, 0), 0), my_splits)
     seq = seq.to(tl.int64)
     seqlen = tl.load(seqlens_ptr + seq)
     start = split * tiles_per_split * BLOCK_N
@@ -149,15 +184,19 @@ def _decode_attn_split_kernel(
 
 @triton.jit
 def _decode_attn_merge_kernel(seqlens_ptr, part_o_ptr, part_lse_ptr, out_ptr, stride_o_tok, stride_o_head,
-                              num_heads, batch, budget, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
-                              MAX_SPLITS: tl.constexpr, FINE: tl.constexpr, SPLITS_P2: tl.constexpr,
-                              HEAD_DIM: tl.constexpr):
+                              num_heads, batch, budget, plan_ptr, programs, BLOCK_B: tl.constexpr,
+                              BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
+                              SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, PREPLAN: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    offs_b, tiles, splits, ends = _plan(seqlens_ptr, batch, budget, BLOCK_B, BLOCK_N, MAX_SPLITS, FINE)
-    mine = offs_b == seq
-    my_splits = tl.sum(tl.where(mine, splits, 0), 0)
-    first = tl.sum(tl.where(mine, ends, 0), 0) - my_splits
+    if PREPLAN:
+        first = tl.load(plan_ptr + 3 * programs + seq)
+        my_splits = tl.load(plan_ptr + 3 * programs + batch + seq)
+    else:
+        offs_b, tiles, splits, ends = _plan(seqlens_ptr, batch, budget, BLOCK_B, BLOCK_N, MAX_SPLITS, FINE)
+        mine = offs_b == seq
+        my_splits = tl.sum(tl.where(mine, splits, 0), 0)
+        first = tl.sum(tl.where(mine, ends, 0), 0) - my_splits
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, HEAD_DIM)
     split_ok = offs_s < my_splits
@@ -240,6 +279,7 @@ def fp8_decode_attention(
     num_warps: int = DEFAULT_WARPS,
     num_stages: int = DEFAULT_STAGES,
     fine: int = FINE,
+    preplan: bool = False,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V per sequence and query head, K/V read from the FP8 cache: see the module docstring.
 
@@ -247,13 +287,16 @@ def fp8_decode_attention(
     [B, max_pages] int32, ``cache_seqlens`` [B] int32, ``k_descale`` / ``v_descale`` float32 broadcastable to
     [B, H_kv] (a scalar or per-head scale expanded); ``budget``: programs per KV head to share the step's tiles among
     (default ``work_budget``); ``fine``: how many times smaller than the even share the programs of a plan that does
-    not fit one wave are (the grid holds ``grid_programs`` of them). Returns ``out`` (or a new tensor) [B, H, D] in
-    BF16."""
+    not fit one wave are (the grid holds ``grid_programs`` of them); ``preplan``: one small launch writes the plan
+    first and the two kernels read their part of it, instead of every program computing it. Returns ``out`` (or a
+    new tensor) [B, H, D] in BF16."""
     reason = cannot_run(q, k_cache, v_cache, page_table, cache_seqlens)
     if reason:
         raise ValueError(f"fp8_decode_attention: {reason}")
     if not isinstance(fine, int) or fine < 1:
         raise ValueError(f"fp8_decode_attention: fine must be an int >= 1, got {fine!r}")
+    if not isinstance(preplan, bool):
+        raise ValueError(f"fp8_decode_attention: preplan must be a bool, got {preplan!r}")
     batch, heads, dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -269,20 +312,26 @@ def fp8_decode_attention(
     part_o = torch.empty(programs * heads, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(programs * heads, dtype=torch.float32, device=q.device)
     plan = dict(BLOCK_B=triton.next_power_of_2(batch), BLOCK_N=block_n, MAX_SPLITS=MAX_SPLITS, FINE=fine)
+    # without preplan the kernels never read plan_ptr: any int32 tensor will do, nothing is allocated
+    plan_buf = torch.empty(3 * programs + 2 * batch, dtype=torch.int32, device=q.device) if preplan else cache_seqlens
+    if preplan:
+        _plan_kernel[(triton.cdiv(programs, PLAN_BLOCK_P),)](cache_seqlens, plan_buf, batch, budget, programs,
+                                                            BLOCK_P=PLAN_BLOCK_P, **plan)
     _decode_attn_split_kernel[(programs, kv_heads)](
         q, k_cache, v_cache, page_table, cache_seqlens, k_descale, v_descale, part_o, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), k_descale.stride(0), k_descale.stride(1), v_descale.stride(0), v_descale.stride(1),
-        float(softmax_scale) * LOG2E, heads, batch, budget,
+        float(softmax_scale) * LOG2E, heads, batch, budget, plan_buf, programs,
         PAGE_SIZE=page_size, GROUP=group, BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), HEAD_DIM=dim,
-        num_warps=num_warps, num_stages=num_stages, **plan,
+        num_warps=num_warps, num_stages=num_stages, PREPLAN=preplan, **plan,
     )
     out3 = out.view(batch, heads, dim)
     _decode_attn_merge_kernel[(batch, heads)](
-        cache_seqlens, part_o, part_lse, out3, out3.stride(0), out3.stride(1), heads, batch, budget,
-        SPLITS_P2=triton.next_power_of_2(min(MAX_SPLITS, fine * budget)), HEAD_DIM=dim, num_warps=4, **plan,
+        cache_seqlens, part_o, part_lse, out3, out3.stride(0), out3.stride(1), heads, batch, budget, plan_buf, programs,
+        SPLITS_P2=triton.next_power_of_2(min(MAX_SPLITS, fine * budget)), HEAD_DIM=dim, num_warps=4, PREPLAN=preplan,
+        **plan,
     )
     return out
 

@@ -59,16 +59,19 @@ def test_agrees_with_fa3_fp8_decode():
     assert err_fa3 < 0.05
 
 
-def test_a_graph_captured_at_one_length_replays_at_others():
+@pytest.mark.parametrize("preplan", [False, True], ids=["plan-per-program", "preplan"])
+def test_a_graph_captured_at_one_length_replays_at_others(preplan):
+    """Captured at one length, replayed at others: the same bits as an eager call, and (preplan: the plan written by
+    its own launch inside the graph) the same bits as the default."""
     case = on_cuda(paged_case(3, 4, 8, 4, 128, 1, [4096] * 4))
     lens = case["cache_seqlens"]
     out = torch.empty(4, 32, 128, dtype=torch.bfloat16, device="cuda")
     lens.fill_(16)
-    run(case, out=out)  # compile outside the capture
+    run(case, out=out, preplan=preplan)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run(case, out=out)
+        run(case, out=out, preplan=preplan)
     for new in ([16, 16, 16, 16], [4096, 1, 2000, 3333], [1, 1, 1, 4096], [0, 4096, 0, 7]):
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
