@@ -31,11 +31,10 @@ from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
 from sglang_fp8rl.compat.updates import local_serialized_tensor_type, unwrap_tensor, updater_model
-from sglang_fp8rl.weight_sync.protocol import CONTROL_PREFIX, FLATTENED_BUCKET, VALIDATE_ONLY, VALIDATE_ONLY_FLATTENED
+from sglang_fp8rl.weight_sync.protocol import CONTROL_PREFIX, FLATTENED_BUCKET, FLATTENED_FORMATS, VALIDATE_FORMATS
 from sglang_fp8rl.weight_sync.validate import WIRE_DTYPES, UpdateRejected, check_name
 
-# the validate-only formats: validated on every rank, nothing written
-TENSOR_FORMATS = (None, FLATTENED_BUCKET, VALIDATE_ONLY, VALIDATE_ONLY_FLATTENED)
+TENSOR_FORMATS = (None, FLATTENED_BUCKET, *VALIDATE_FORMATS)  # VALIDATE_FORMATS: checked on every rank, nothing written
 Announced = list[tuple[Any, torch.dtype, list[int]]]
 NamedTensor = tuple[str, torch.Tensor]
 
@@ -137,7 +136,7 @@ def tensors_of_request(updater: Any, named_tensors: Any, load_format: Optional[s
             f"{TENSOR_FORMATS} are validated before writing ('direct' and custom loaders write unchecked)"
         )
     monkey_patch_torch_reductions()  # what SGLang does first: CUDA IPC handles unpickle through it
-    if load_format in (FLATTENED_BUCKET, VALIDATE_ONLY_FLATTENED):
+    if load_format in FLATTENED_FORMATS:
         return tensors_of_bucket(named_tensors)
     named = []
     for name, tensor in check_pairs(named_tensors):

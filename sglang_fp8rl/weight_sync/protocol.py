@@ -21,6 +21,7 @@ FLATTENED_BUCKET = "flattened_bucket"
 # all-or-nothing step sent with flatten=True)
 VALIDATE_ONLY_FLATTENED = VALIDATE_ONLY + "." + FLATTENED_BUCKET
 VALIDATE_FORMATS = (VALIDATE_ONLY, VALIDATE_ONLY_FLATTENED)
+FLATTENED_FORMATS = (FLATTENED_BUCKET, VALIDATE_ONLY_FLATTENED)  # a request whose tensors are one flattened bucket
 
 # pre-quantized FP8: ``<name>`` as float8_e4m3fn codes travels with ``<name>_scale_inv`` (float32 block scales)
 SCALE_SUFFIX = "_scale_inv"
