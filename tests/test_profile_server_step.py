@@ -334,6 +334,20 @@ def test_arguments_and_server_flags_come_from_bench_rl_rollout():
         m.parse_args(["--batch", "0"])
 
 
+def test_ragged_prompts_set_the_batch():
+    """--prompt-lens: one prompt per length (a rollout's tail: one long context among short ones), --batch follows."""
+    m = script()
+    a = m.parse_args(["--prompt-lens", "300", "20", "7", "--new-tokens", "5"])
+    assert a.batch == 3 and m.prompt_lengths(a) == [300, 20, 7]
+    work = m.batch_workload(a)
+    assert [len(p) for p in work["input_ids"]] == [300, 20, 7] and work["max_new_tokens"] == [5, 5, 5]
+    assert m.prompt_desc(a) == "3 requests of 300, 20, 7"
+    even = m.parse_args(["--batch", "2", "--prompt-len", "9"])
+    assert [len(p) for p in m.batch_workload(even)["input_ids"]] == [9, 9] and m.prompt_desc(even) == "2 requests x 9"
+    with pytest.raises(SystemExit):
+        m.parse_args(["--prompt-lens", "5", "0"])
+
+
 def test_command_line():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -5,15 +5,16 @@ Per config (--configs, bench_rl_rollout.py's CONFIGS; default bf16 fp8_kv), one 
 `python -m sglang.launch_server` with bench_rl_rollout.py's command line and environment (its COMMON_FLAGS: dummy
 Qwen3-8B-shaped weights of scripts/gpu/make_models.py, --skip-tokenizer-init, --sampling-backend pytorch,
 --decode-log-interval 1, ...; the plugin through its entry point). Then --batch requests at once, each --prompt-len
-random token ids, --new-tokens tokens at temperature 1 with ignore_eos (bench_rl_rollout's request body), sent from a
-thread. Once the server's decode log lines show the whole batch running (--min-full-steps lines; at most --warmup-s
-seconds), POST /start_profile {output_dir, num_steps: --steps, activities: CPU GPU, with_stack, record_shapes: false,
-profile_id: the config} (SGLang 0.5.17's ProfileReq, sglang/srt/managers/io_struct.py:1973); the scheduler stops the
-torch profiler itself after --steps forward steps and writes <config>-TP-0.trace.json.gz
-(scheduler_components/profiler_manager.py), then logs "Profiling done". The server is stopped (the open requests end
-with it) and the trace analysed by scripts/gpu/step_trace.py: step boundaries (SGLang's step[DECODE bs=N] annotation),
-per step wall / GPU busy / GPU idle and GPU time by group, GPU idle gaps, top kernels and top host ops. The server's
-own decode log lines give the step time without the profiler (before /start_profile) and under it.
+random token ids (or one request per --prompt-lens entry: ragged contexts, as a rollout's tail), --new-tokens tokens
+at temperature 1 with ignore_eos (bench_rl_rollout's request body), sent from a thread. Once the server's decode log
+lines show the whole batch running (--min-full-steps lines; at most --warmup-s seconds), POST /start_profile
+{output_dir, num_steps: --steps, activities: CPU GPU, with_stack, record_shapes: false, profile_id: the config}
+(SGLang 0.5.17's ProfileReq, sglang/srt/managers/io_struct.py:1973); the scheduler stops the torch profiler itself
+after --steps forward steps and writes <config>-TP-0.trace.json.gz (scheduler_components/profiler_manager.py), then
+logs "Profiling done". The server is stopped (the open requests end with it) and the trace analysed by
+scripts/gpu/step_trace.py: step boundaries (SGLang's step[DECODE bs=N] annotation), per step wall / GPU busy / GPU
+idle and GPU time by group, GPU idle gaps, top kernels and top host ops. The server's own decode log lines give the
+step time without the profiler (before /start_profile) and under it.
 
 Writes under --out: profile_server_step.json and .md, server_<config>.log, traces/<config>/*.trace.json.gz.
 Every wait has a timeout and the whole run ends by --deadline-s (a config that cannot get --min-s is skipped; every
@@ -146,11 +147,22 @@ def profile_body(prof_dir: str, args: argparse.Namespace, profile_id: str) -> di
             "with_stack": bool(args.with_stack), "record_shapes": False, "profile_id": profile_id}
 
 
+def prompt_lengths(args: argparse.Namespace) -> list[int]:
+    """Each request's prompt length: --prompt-lens (ragged contexts, as a rollout's tail runs them) or --batch x
+    --prompt-len."""
+    return list(args.prompt_lens) if args.prompt_lens else [args.prompt_len] * args.batch
+
+
+def batch_workload(args: argparse.Namespace) -> dict:
+    """The request batch: random prompt ids of prompt_lengths, --new-tokens each."""
+    lens = prompt_lengths(args)
+    return {"input_ids": WL.prompt_ids(len(lens), lens, args.seed), "max_new_tokens": [args.new_tokens] * len(lens)}
+
+
 def start_requests(base_url: str, args: argparse.Namespace, timeout_s: float) -> tuple[threading.Thread, dict]:
     """The batch in a thread (bench_rl_rollout.submit_all: one request thread each, temperature 1, ignore_eos); the
     dict gets 'requests' when they end."""
-    workload = {"input_ids": WL.prompt_ids(args.batch, args.prompt_len, args.seed),
-                "max_new_tokens": [args.new_tokens] * args.batch}
+    workload = batch_workload(args)
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -266,6 +278,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--gpu", type=int, default=None, help="CUDA_VISIBLE_DEVICES of the servers (default: inherited)")
     p.add_argument("--batch", type=int, default=8, help="requests sent at once")
     p.add_argument("--prompt-len", type=int, default=4096)
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=None, metavar="N",
+                   help="one prompt length per request (ragged contexts); sets --batch to their count")
     p.add_argument("--new-tokens", type=int, default=2048)
     p.add_argument("--steps", type=int, default=30, help="forward steps the profiler records")
     p.add_argument("--warmup-s", type=float, default=60.0,
@@ -293,11 +307,22 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if min(a.batch, a.prompt_len, a.new_tokens, a.steps) < 1:
         p.error("--batch, --prompt-len, --new-tokens and --steps must be positive")
+    if a.prompt_lens:
+        if min(a.prompt_lens) < 1:
+            p.error(f"--prompt-lens must be positive, got {a.prompt_lens}")
+        a.batch = len(a.prompt_lens)
     try:
         RL.parse_extra_args(a.extra_args, RL.CONFIGS)
     except ValueError as e:
         p.error(str(e))
     return a
+
+
+def prompt_desc(args: argparse.Namespace) -> str:
+    """'8 requests x 4096' or '4 requests of 16000, 2000, 2000, 1000'."""
+    if args.prompt_lens:
+        return f"{args.batch} requests of {', '.join(map(str, args.prompt_lens))}"
+    return f"{args.batch} requests x {args.prompt_len}"
 
 
 def model_layers(model_path: str) -> int:
@@ -320,7 +345,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     model_path = make_models.ensure(os.path.abspath(args.model_dir), [args.model])[0]
     args.layers = args.layers or model_layers(model_path)
     meta = {"model": f"{args.model}-shaped dummy weights ({args.layers} layers)", "argv": sys.argv,
-            "workload": f"{args.batch} requests x {args.prompt_len} random prompt ids, {args.new_tokens} new tokens, "
+            "workload": f"{prompt_desc(args)} random prompt ids, {args.new_tokens} new tokens, "
                         f"temperature 1, ignore_eos; {args.steps} profiled steps ({' '.join(args.activities)})",
             **RL.BR._env_info()}
     plan = server_plan(args, model_path)

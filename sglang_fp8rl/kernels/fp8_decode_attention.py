@@ -56,6 +56,10 @@ RESIDENT_PER_SM = 2
 FINE = 3
 LOG2E = 1.4426950408889634
 PLAN_BLOCK_P = 64  # split-launch programs one program of the plan launch describes (``preplan``)
+# the plan written once by a launch of its own and read by both kernels, instead of computed by every program: in the
+# H200 sweep of docs/RESULTS.md sec. 26a, against the same tile and FINE without it, 0.87-1.00x the time (geometric
+# mean over the tiles) at each of its 13 cells; at the default tile 1 x 12288 took 19.3 us instead of 23.5
+PREPLAN = True
 # what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
 # caller may run another kernel instead; a kernel that compiled never raises these
 BUILD_ERRORS = (CompilationError, OutOfResources)
@@ -279,7 +283,7 @@ def fp8_decode_attention(
     num_warps: int = DEFAULT_WARPS,
     num_stages: int = DEFAULT_STAGES,
     fine: int = FINE,
-    preplan: bool = False,
+    preplan: bool = PREPLAN,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V per sequence and query head, K/V read from the FP8 cache: see the module docstring.
 
