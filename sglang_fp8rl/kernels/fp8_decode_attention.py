@@ -11,16 +11,16 @@ TB/s (docs/RESULTS.md sec. 21a), so half the bytes bought 1.1-1.3x. This kernel 
 
 * one program per (KV split, KV head, sequence) reads its slice of the cache once for all the query heads of the
   group (GQA), as ``BLOCK_N`` gathered rows of K and V per step (any page size; page size 1 is SGLang's default);
-* the work is planned at run time from the step's lengths (``_plan``, in every program of both launches; its host
-  mirror is ``plan_splits``): each sequence gets splits in proportion to its tiles, with one bound on the tiles a
-  program reads: the fewest with which all splits fit one wave (``work_budget`` programs per KV head), if that is
-  within 4/3 of an even share of the step's tiles, else ``FINE`` times less than the even share, over several
-  waves. A long sequence among short ones is read by many programs, not by one that the whole step waits for. The
-  grid is fixed per batch size (``grid_programs``), so a CUDA graph captured at one context replays at any lengths;
+* the work is planned at run time from the step's lengths (``_plan``; its host mirror is ``plan_splits``): each
+  sequence gets splits in proportion to its tiles, with one bound on the tiles a program reads: the fewest with which
+  all splits fit one wave (``work_budget`` programs per KV head), if that is within 4/3 of an even share of the
+  step's tiles, else ``FINE`` times less than the even share, over several waves. A long sequence among short ones
+  is read by many programs, not by one that the whole step waits for. The grid is fixed per batch size
+  (``grid_programs``), so a CUDA graph captured at one context replays at any lengths;
 * a second launch merges each sequence's splits by their log-sum-exp, in split order (deterministic);
-* with ``preplan`` a first, small launch writes the plan and both kernels read their part of it (three loads a
-  program instead of the plan; the same plan, so the same bits): a variant for the benchmark, measured against the
-  default before it serves.
+* a first, small launch writes the plan (``_plan_kernel``) and both kernels read their part of it: three loads a
+  program (``preplan``, the default since the H200 sweep of docs/RESULTS.md sec. 26a). ``preplan=False`` computes
+  the plan in every program of both launches instead (the same plan, so the same bits): the benchmark's baseline.
 
 K, V and the query are widened to FP16 in registers (E4M3 -> FP16 is exact); the scores and the weighted sum use FP16
 MMAs with float32 accumulation, P rounded to FP16 (FA3's FP8 path rounds it to E4M3).
