@@ -4,11 +4,13 @@ A tiny Qwen3-MoE with many experts (thousands of small tensors, like Qwen3-30B-A
 ``--quantization fp8_online_blockwise`` in this process; ``push_state_dict(..., atomic=False)`` pushes it bucket by
 bucket into SGLang's WeightUpdater, and the engine's own telemetry (``last_update``: validate_s, apply_s) is read
 after every request. With tensors this small the engine's time is its host (Python) overhead, which is what a GPU
-engine pays per tensor on top of its bandwidth. ``--profile`` adds one push under cProfile and prints its top
-functions by cumulative and by own time.
+engine pays per tensor on top of its bandwidth. ``--flatten`` pushes flattened buckets (``flatten=True``: serialized
+per rank as sglang.Engine takes them, decoded as a TP worker decodes them) instead of (name, tensor) lists.
+``--profile`` adds one push under cProfile and prints its top functions by cumulative and by own time.
 
   python scripts/profile_update_host.py                                  # 8 layers x 128 experts, 5 MiB buckets
   python scripts/profile_update_host.py --profile --top 30
+  python scripts/profile_update_host.py --flatten --digest                  # flattened buckets (the same bits)
   python scripts/profile_update_host.py --layers 1 --experts 8 --pushes 1   # a quick check (tests/ runs this)
 
 The first ``--warmup`` pushes fill the engine's dry-run cache (one per request signature, as a trainer's first
@@ -28,6 +30,7 @@ import pstats
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import _paths  # noqa: F401  (this checkout's sglang_fp8rl first on sys.path)
@@ -46,6 +49,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="expert intermediate size; a multiple of 128 keeps experts blockwise (default 128)")
     p.add_argument("--bucket-mb", type=float, default=5.0,
                    help="bucket size in MiB (default 5: ~160 expert tensors a bucket, as 512 MB buckets of 30B-A3B)")
+    p.add_argument("--flatten", action="store_true", help="push flattened buckets (push_state_dict(flatten=True))")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured pushes first (fill the dry-run cache)")
     p.add_argument("--pushes", type=int, default=3, help="measured pushes (default 3)")
     p.add_argument("--profile", action="store_true", help="one more push under cProfile; print its top functions")
@@ -111,7 +115,10 @@ def write_moe_checkpoint(out: str, dims: dict, sd: dict) -> None:
 
 class TelemetryEngine:
     """The ``sglang.Engine`` update method our client calls, straight into SGLang's WeightUpdater; it keeps the
-    engine's ``last_update`` stats of every request."""
+    engine's ``last_update`` stats of every request. One TP rank: a flattened bucket arrives serialized per rank and
+    is decoded here as SGLang's TP worker decodes it (its time counts in the push's wall time, as on an engine)."""
+
+    server_args = SimpleNamespace(tp_size=1)
 
     def __init__(self, updater: Any) -> None:
         self.updater = updater
@@ -119,20 +126,27 @@ class TelemetryEngine:
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         """One request; its answer, after noting its stats."""
+        from sglang_fp8rl.weight_sync.protocol import FLATTENED_BUCKET
         from sglang_fp8rl.weight_sync.telemetry import last_update_stats
 
-        answer = self.updater.update_weights_from_tensor(list(named_tensors), load_format=load_format)
+        if load_format == FLATTENED_BUCKET:
+            from sglang.srt.utils import MultiprocessingSerializer
+
+            request = MultiprocessingSerializer.deserialize(named_tensors[0])
+        else:
+            request = list(named_tensors)
+        answer = self.updater.update_weights_from_tensor(request, load_format=load_format)
         self.stats.append(last_update_stats() or {})
         return answer
 
 
-def push_once(engine: TelemetryEngine, sd: dict, bucket_bytes: int) -> dict:
+def push_once(engine: TelemetryEngine, sd: dict, bucket_bytes: int, flatten: bool = False) -> dict:
     """One by-tensor push of ``sd``; its wall time and the engine's summed telemetry."""
     from sglang_fp8rl.weight_sync.client import push_state_dict
 
     engine.stats.clear()
     t0 = time.perf_counter()
-    push_state_dict(engine, sd, bucket_bytes=bucket_bytes, atomic=False)
+    push_state_dict(engine, sd, bucket_bytes=bucket_bytes, atomic=False, flatten=flatten)
     wall = time.perf_counter() - t0
     stats = list(engine.stats)
     return {"wall_s": wall, "buckets": len(stats), "tensors": sum(s.get("tensors", 0) for s in stats),
@@ -186,16 +200,18 @@ def measure(args: argparse.Namespace, work: str) -> dict:
     engine = TelemetryEngine(updater_of(runner.torch_runner))
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     payloads = [w1, w0]  # alternate, so that every push changes every weight
-    result: dict = {"dims": dims, "bucket_bytes": bucket_bytes, "load_s": load_s, "warmup": [], "pushes": []}
+    result: dict = {"dims": dims, "bucket_bytes": bucket_bytes, "flatten": args.flatten, "load_s": load_s,
+                    "warmup": [], "pushes": []}
     with torch.no_grad():
         for i in range(args.warmup):
-            result["warmup"].append(push_once(engine, payloads[i % 2], bucket_bytes))
+            result["warmup"].append(push_once(engine, payloads[i % 2], bucket_bytes, args.flatten))
         for i in range(args.pushes):
-            result["pushes"].append(push_once(engine, payloads[(args.warmup + i) % 2], bucket_bytes))
+            result["pushes"].append(push_once(engine, payloads[(args.warmup + i) % 2], bucket_bytes, args.flatten))
         if args.profile:
             profiler = cProfile.Profile()
             profiler.enable()
-            result["profiled"] = push_once(engine, payloads[(args.warmup + args.pushes) % 2], bucket_bytes)
+            result["profiled"] = push_once(engine, payloads[(args.warmup + args.pushes) % 2], bucket_bytes,
+                                           args.flatten)
             profiler.disable()
             result["profile"] = profile_text(profiler, args.top)
             if args.profile_out:
@@ -207,7 +223,8 @@ def measure(args: argparse.Namespace, work: str) -> dict:
 
 def report(result: dict) -> str:
     """The results as text."""
-    lines = [f"config: {json.dumps(result['dims'])}, buckets of {result['bucket_bytes'] / 2**20:.2f} MiB; "
+    kind = "flattened buckets" if result.get("flatten") else "buckets"
+    lines = [f"config: {json.dumps(result['dims'])}, {kind} of {result['bucket_bytes'] / 2**20:.2f} MiB; "
              f"model load {result['load_s']:.1f} s"]
     for label in ("warmup", "pushes"):
         for i, push in enumerate(result[label]):

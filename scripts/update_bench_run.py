@@ -114,25 +114,28 @@ class Bench:
         self.save()
         return rec
 
-    def telemetry_push(self, url: str, weights: dict) -> Optional[dict]:
-        """One extra push bucket by bucket (atomic=False), reading last_update after each (FP8 engine only)."""
+    def telemetry_push(self, url: str, weights: dict, flatten: bool = False) -> Optional[dict]:
+        """One extra push bucket by bucket (atomic=False; flattened buckets with ``flatten``), reading last_update
+        after each (FP8 engine only)."""
         from sglang_fp8rl.trainer import push_state_dict
         from sglang_fp8rl.weight_sync.client import buckets
 
         per = []
         for bucket in buckets(weights, self.args.bucket_mb << 20):
-            push_state_dict(url, bucket, bucket_bytes=1 << 62, atomic=False)
+            # flattened: no step-complete marker, which would travel in a request of its own and be last_update
+            push_state_dict(url, bucket, bucket_bytes=1 << 62, atomic=False, complete=not flatten, flatten=flatten)
             last = fp8rl_info(url).get("last_update")
             if last is None:
                 return None
             per.append(last)
         return sum_bucket_stats(per)
 
-    def add_telemetry(self, rec: dict, url: str, weights: dict, prequant: bool, phase_end: float) -> None:
+    def add_telemetry(self, rec: dict, url: str, weights: dict, prequant: bool, phase_end: float,
+                      flatten: bool = False) -> None:
         """The validate / apply split and the apply bandwidth of one path (FP8 engine), if time allows."""
         if time.time() + (rec.get("mean_s") or 30) * 2 + 5 >= phase_end:
             return
-        rec["server_telemetry"] = self.telemetry_push(url, weights)
+        rec["server_telemetry"] = self.telemetry_push(url, weights, flatten)
         apply_bandwidth(rec, apply_bytes(self.shapes, prequant=prequant), self.res.get("d2d_copy_GBps"))
         self.save()
 
@@ -145,6 +148,8 @@ class Bench:
         a = self.args
         if "tensor" in self.plan.paths:
             self.add_telemetry(e["tensor"], url, sd, False, phase_end)
+        if "flattened" in self.plan.paths:
+            self.add_telemetry(e["flattened"], url, sd, False, phase_end, flatten=True)
         e["atomic"] = self.run_path("fp8", "atomic", lambda: push(sd, True), phase_end)
         e["validate_only"] = self.run_path("fp8", "validate_only",
                                            lambda: validate_only_push(url, sd, a.bucket_mb << 20), phase_end)

@@ -42,3 +42,21 @@ def test_tiny_measurement(tmp_path):
     tensors = 8 * 3 + 1 + 8 + 3
     assert [p["tensors"] for p in result["warmup"] + result["pushes"]] == [tensors] * 3
     assert all(p["validate_s"] > 0 and p["apply_s"] > 0 and p["buckets"] == 1 for p in result["pushes"])
+
+
+@pytest.mark.slow
+def test_flattened_buckets_write_the_same_bits(tmp_path):
+    """--flatten: flattened buckets reach the engine through SGLang's decode and write what (name, tensor) lists
+    write, bit for bit (the same digest after the same pushes); every tensor of each push is counted."""
+    digests = {}
+    for flatten in (False, True):
+        out = subprocess.run([sys.executable, str(SCRIPT), "--layers", "1", "--experts", "8", "--pushes", "2",
+                              "--digest", "--json", str(tmp_path / f"r{flatten}.json")] + (["--flatten"] * flatten),
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-4000:]
+        result = json.loads((tmp_path / f"r{flatten}.json").read_text())
+        assert result["flatten"] is flatten
+        assert [p["tensors"] for p in result["pushes"]] == [8 * 3 + 1 + 8 + 3] * 2
+        assert ("flattened buckets of" in out.stdout) is flatten
+        digests[flatten] = result["digest"]
+    assert digests[True] == digests[False]

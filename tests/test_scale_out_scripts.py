@@ -284,6 +284,39 @@ def test_issue_36_target_lines():
         res)[0]
 
 
+def test_telemetry_push_reads_every_bucket_of_both_transports(monkeypatch, tmp_path):
+    """bench_update's engine split (validate / quantize and write) for by-tensor and flattened pushes: one request per
+    bucket, its last_update read after it; a flattened bucket carries no step-complete marker (it would travel in a
+    request of its own and be what last_update reports)."""
+    import torch
+    import update_bench_run
+
+    import sglang_fp8rl.trainer as trainer
+
+    sent: list = []
+
+    def push_state_dict(url, weights, **kw):
+        sent.append((list(weights), kw))
+
+    def fp8rl_info(url):
+        names, kw = sent[-1]
+        return {"last_update": {"ok": True, "tensors": len(names), "validate_s": 0.01, "apply_s": 0.02,
+                                "marker": kw["complete"]}}
+
+    monkeypatch.setattr(trainer, "push_state_dict", push_state_dict)
+    monkeypatch.setattr(update_bench_run, "fp8rl_info", fp8rl_info)
+    bench = update_bench_run.Bench(argparse.Namespace(bucket_mb=1, deadline_s=60, out=str(tmp_path)), None, None)
+    weights = {f"w{i}": torch.zeros(1 << 17) for i in range(5)}  # 512 KiB each: buckets of 2, 2, 1
+    for flatten in (False, True):
+        sent.clear()
+        tele = bench.telemetry_push("http://engine", weights, flatten=flatten)
+        assert [len(names) for names, _ in sent] == [2, 2, 1]
+        assert all(kw["flatten"] is flatten and kw["atomic"] is False and kw["complete"] is not flatten
+                   for _, kw in sent)
+        assert (tele["buckets"], tele["tensors"], tele["ok"]) == (3, 5, True)
+        assert abs(tele["validate_s"] - 0.03) < 1e-9 and abs(tele["apply_s"] - 0.06) < 1e-9
+
+
 def test_scheme_lines_are_counted_over_every_node_log(tmp_path):
     """Two nodes: TP ranks 0-1 log to server A's log, 2-3 to its node-1 log; one summary line per rank in all."""
     import server_checks
