@@ -45,8 +45,8 @@ CELLS = [(1, 4096), (1, 12288), (8, 4096), (8, 12288), (32, 4096), (32, 12288), 
 RAGGED_CELLS = [(8, 4096), (32, 4096), (64, 2048), (128, 1024)]
 QUICK_CELLS = [(1, 4096), (8, 4096), (32, 4096), (128, 1024)]
 # "fine" 1 is the grid of the plan's first form (budget + batch programs per KV head, no several-wave plans) and
-# "preplan" the plan written once by its own launch: beside the default they separate the two costs the H200 run of
-# RESULTS 25b found at 1-8 sequences (a larger grid of idle programs, the plan computed in every program)
+# "preplan" False the plan computed in every program: they separated the two costs the H200 run of RESULTS 25b found
+# at 1-8 sequences (a larger grid of idle programs, the plan in every program); RESULTS 26a made preplan the default
 SWEEP = {"block_n": (64, 128), "num_warps": (4,), "num_stages": (2, 3, 4), "per_sm": (1, 2, 3, 4, 6),
          "fine": (FDA.FINE, 1), "preplan": (False, True)}
 QUICK_SWEEP = {"block_n": (128,), "num_warps": (4,), "num_stages": (3,), "per_sm": (1, 2, 4), "fine": (FDA.FINE, 1),
