@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import glob
+import math
 import os
 from typing import Any, Callable, Iterator, Optional
 
@@ -93,8 +94,8 @@ def check_bucket_metadata(flattened: Any, metadata: Any) -> list[FlattenedTensor
     size = flattened.numel()
     if not metadata and size:  # an empty bucket (slime pads ranks without tensors with one) is a no-op; bytes are not
         raise UpdateRejected(f"a flattened bucket with no metadata holds {size} bytes: nothing says what they are")
-    checked = []
-    for meta in metadata:
+    checked, offset = [], flattened.storage_offset()
+    for meta in metadata:  # per tensor, and MoE buckets hold ~160: plain Python here, no tensor made
         name = check_name(getattr(meta, "name", None))
         dtype, shape = getattr(meta, "dtype", None), getattr(meta, "shape", None)
         start, end = getattr(meta, "start_idx", None), getattr(meta, "end_idx", None)
@@ -105,12 +106,12 @@ def check_bucket_metadata(flattened: Any, metadata: Any) -> list[FlattenedTensor
         if not (is_count(start) and is_count(end) and start <= end <= size):
             raise UpdateRejected(f"{name}: bucket bytes [{start}, {end}) lie outside the {size}-byte buffer "
                                  "(truncated bucket?)")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = int(torch.Size(shape).numel()) * itemsize
+        itemsize = dtype.itemsize
+        nbytes = math.prod(shape) * itemsize
         if end - start != nbytes:
             raise UpdateRejected(f"{name}: bucket holds {end - start} bytes but shape {tuple(shape)} of {dtype} "
                                  f"needs {nbytes}")
-        if (flattened.storage_offset() + start) % itemsize:
+        if (offset + start) % itemsize:
             raise UpdateRejected(f"{name}: bucket offset {start} is not aligned to {dtype} ({itemsize} bytes)")
         checked.append(FlattenedTensorMetadata(name=name, shape=torch.Size(shape), dtype=dtype, start_idx=start,
                                                end_idx=end, numel=end - start))
