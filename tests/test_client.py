@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sgl_model import TINY, assert_same_params, random_state_dict, run_worker, write_checkpoint
 
 from sglang_fp8rl.weight_sync.client import WeightPushError, buckets, named_items, serialize_for_ranks
@@ -117,6 +119,54 @@ def test_preflight_refuses_before_anything_is_sent():
             with pytest.raises(WeightPushError, match=words):
                 push(*args, bucket_bytes=8)  # the bad tensor is in the second bucket
     assert target.calls == 0
+
+
+def test_preflight_checks_a_bucket_in_one_batch(monkeypatch):
+    """A good bucket is checked by the batched check alone (no per-tensor check: on a GPU that is a host sync per
+    tensor); a bad one is named by the exact check, which stops at the first culprit."""
+    from sglang_fp8rl.weight_sync import client
+
+    calls = []
+    exact = client.extremes
+    monkeypatch.setattr(client, "extremes", lambda t: calls.append(t) or exact(t))
+    bucket = [(f"w{i}", torch.randn(8, 16).to([torch.bfloat16, torch.float32, torch.float16][i % 3]))
+              for i in range(50)]
+    client.preflight(bucket, "push")
+    assert calls == []
+    bucket[7][1][3, 3] = float("inf")
+    bucket[30][1][0, 0] = float("nan")
+    with pytest.raises(WeightPushError, match="^push not sent: w7: contains NaN/Inf in BF16$"):
+        client.preflight(bucket, "push")
+    assert len(calls) == 8
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.sampled_from(["bf16", "fp16", "fp32"]),
+                          st.sampled_from(["none", "nan", "inf", "-inf", "huge32", "big"])), min_size=1, max_size=6),
+       st.integers(0, 2**31 - 1))
+def test_preflight_refuses_exactly_what_is_not_finite_in_bf16(specs, seed):
+    """Against a float64 reference (NaN, Inf, |x| past BF16's largest finite value once rounded): the bucket passes
+    iff no tensor is bad, else the first bad tensor is named."""
+    from sglang_fp8rl.weight_sync.client import preflight
+
+    g = torch.Generator().manual_seed(seed)
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    bucket = []
+    for i, (n, dtype, poison) in enumerate(specs):
+        t = torch.randn(n, generator=g, dtype=torch.float64)
+        value = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "huge32": 3.4e38,
+                 "big": 6.0e4}.get(poison)
+        if value is not None:
+            t[n // 2] = value
+        bucket.append((f"t{i}", t.to(dtypes[dtype])))
+    bf16_max = torch.finfo(torch.bfloat16).max
+    bad = [name for name, t in bucket
+           if bool((~torch.isfinite(t.double()) | (t.double().abs() > bf16_max * (1 + 2**-9))).any())]
+    if not bad:
+        preflight(bucket, "push")
+    else:
+        with pytest.raises(WeightPushError, match=f"^push not sent: {bad[0]}: contains NaN/Inf in BF16$"):
+            preflight(bucket, "push")
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ CONTRACT = ["push_state_dict", "push_distributed", "push_from_disk", "init_updat
 # the numerics of its preflight check, and the adapters of the payload and sessions to SGLang's releases
 TRAINER_SIDE = {"sglang_fp8rl", "sglang_fp8rl.trainer", "sglang_fp8rl.quant", "sglang_fp8rl.compat",
                 "sglang_fp8rl.compat.updates", "sglang_fp8rl.weight_sync", "sglang_fp8rl.weight_sync.client",
-                "sglang_fp8rl.weight_sync.errors", "sglang_fp8rl.weight_sync.protocol",
-                "sglang_fp8rl.weight_sync.session"}
+                "sglang_fp8rl.weight_sync.errors", "sglang_fp8rl.weight_sync.finite",
+                "sglang_fp8rl.weight_sync.protocol", "sglang_fp8rl.weight_sync.session"}
 
 
 def test_all_is_the_contract_and_each_name_imports():
