@@ -126,15 +126,11 @@ class TelemetryEngine:
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         """One request; its answer, after noting its stats."""
+        from sglang_fp8rl.compat.updates import decode_own_rank
         from sglang_fp8rl.weight_sync.protocol import FLATTENED_BUCKET
         from sglang_fp8rl.weight_sync.telemetry import last_update_stats
 
-        if load_format == FLATTENED_BUCKET:
-            from sglang.srt.utils import MultiprocessingSerializer
-
-            request = MultiprocessingSerializer.deserialize(named_tensors[0])
-        else:
-            request = list(named_tensors)
+        request = decode_own_rank(named_tensors, 0) if load_format == FLATTENED_BUCKET else list(named_tensors)
         answer = self.updater.update_weights_from_tensor(request, load_format=load_format)
         self.stats.append(last_update_stats() or {})
         return answer
