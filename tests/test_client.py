@@ -285,3 +285,35 @@ def test_flattened_bucket_puts_the_widest_dtypes_first():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name].float(), tensor.float()), name
     with pytest.raises(WeightPushError, match="bucket 1 not sent: flatten=True needs one device per bucket"):
         flattened_bucket([("a", torch.ones(2)), ("b", torch.empty(2, device="meta"))], "bucket 1")
+
+
+def test_buckets_never_straddle_devices():
+    """A payload spread over devices (a trainer's GPUs) is cut where the device changes, so each bucket can travel
+    as one flattened buffer; the byte budget still holds and nothing is lost or reordered."""
+    sd = {"a": torch.zeros(4, dtype=torch.bfloat16), "b": torch.zeros(4, dtype=torch.bfloat16, device="meta"),
+          "c": torch.zeros(4, dtype=torch.bfloat16, device="meta"), "d": torch.zeros(4, dtype=torch.bfloat16)}
+    groups = list(buckets(sd, bucket_bytes=1 << 20))
+    assert [[n for n, _ in g] for g in groups] == [["a"], ["b", "c"], ["d"]]
+    assert all(len({t.device for _, t in g}) == 1 for g in groups)
+
+
+def test_a_bucket_that_cannot_be_flattened_is_refused_before_anything_is_sent():
+    """flatten=True with a weight and its scale on two devices (one unit, so one bucket): refused with the reason
+    before the first request, not after earlier buckets were written."""
+    from sglang_fp8rl.weight_sync.client import push_state_dict
+
+    class Target:
+        calls = 0
+
+        def update_weights_from_tensor(self, *args, **kwargs):
+            self.calls += 1
+            return True, "ok"
+
+    target = Target()
+    weights = {"first.weight": torch.zeros(4, dtype=torch.bfloat16),
+               "l.weight": torch.zeros(128, 128, dtype=torch.float8_e4m3fn),
+               "l.weight_scale_inv": torch.ones(1, 1, device="meta")}
+    for atomic in (True, False):
+        with pytest.raises(WeightPushError, match="not sent: flatten=True needs one device per bucket"):
+            push_state_dict(target, weights, bucket_bytes=8, atomic=atomic, flatten=True)
+    assert target.calls == 0

@@ -80,15 +80,17 @@ def _units(weights: NamedTensors) -> Iterator[list[tuple[str, torch.Tensor]]]:
 
 def buckets(weights: NamedTensors,
             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of at most ``bucket_bytes`` (a larger single tensor travels alone; a pre-quantized weight
-    and its scale stay together)."""
+    """Consecutive groups of at most ``bucket_bytes``, each of one device (a larger single tensor travels alone; a
+    pre-quantized weight and its scale stay together)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for unit in _units(weights):
         nbytes = sum(t.numel() * t.element_size() for _, t in unit)
-        if bucket and size + nbytes > bucket_bytes:
+        # a new device starts a new bucket: a flattened bucket is one buffer on one device (a trainer's payload
+        # spread over its GPUs made buckets that straddled two)
+        if bucket and (size + nbytes > bucket_bytes or unit[0][1].device != bucket[-1][1].device):
             yield bucket
             bucket, size = [], 0
         bucket.extend(unit)
@@ -122,11 +124,10 @@ def preflight(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
             raise WeightPushError(f"{what} not sent: {bad}: contains NaN/Inf in BF16")
 
 
-def flattened_bucket(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> dict[str, Any]:
-    """SGLang's flattened bucket of ``bucket`` (one uint8 buffer and its metadata, built by SGLang's own class),
-    the widest dtypes first: every tensor then starts aligned to its element size, as the engine requires."""
+def check_flattenable(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
+    """Raise WeightPushError if ``bucket`` cannot travel as one flattened buffer (checked before anything is sent)."""
     try:
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+        import sglang.srt.weight_sync.tensor_bucket  # noqa: F401
     except ImportError as e:  # its metadata unpickles on the engine as SGLang's class: the trainer needs SGLang
         raise WeightPushError(f"{what} not sent: flatten=True builds SGLang's FlattenedTensorBucket, and SGLang "
                               f"does not import here ({e})") from e
@@ -134,6 +135,14 @@ def flattened_bucket(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> d
     if len(devices) > 1:
         raise WeightPushError(f"{what} not sent: flatten=True needs one device per bucket, got {sorted(devices)} "
                               f"({bucket[0][0]} ...): move the tensors, or push with flatten=False")
+
+
+def flattened_bucket(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> dict[str, Any]:
+    """SGLang's flattened bucket of ``bucket`` (one uint8 buffer and its metadata, built by SGLang's own class),
+    the widest dtypes first: every tensor then starts aligned to its element size, as the engine requires."""
+    check_flattenable(bucket, what)
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
     ordered = sorted(bucket, key=lambda item: -item[1].element_size())  # stable: same-width tensors keep their order
     packed = FlattenedTensorBucket(named_tensors=[(name, t.contiguous()) for name, t in ordered])
     return {"flattened_tensor": packed.get_flattened_tensor(), "metadata": packed.get_metadata()}
@@ -244,13 +253,15 @@ def push_state_dict(target: Any, weights: NamedTensors, bucket_bytes: int = DEFA
     ``weights`` may mix BF16/FP16/FP32 tensors and pre-quantized FP8 (``<name>`` as float8_e4m3fn codes with
     ``<name>_scale_inv``). With ``flatten`` each bucket travels as SGLang's flattened bucket (load_format
     ``flattened_bucket``): one buffer, so one CUDA IPC handle, instead of one per tensor; for models of many small
-    tensors (MoE experts). It needs SGLang importable here and one device per bucket, and copies each bucket once
-    into its buffer, which is freed when the engine has answered (the engine synchronizes its device before it
-    answers). Returns the engine's answers to the writing requests (with ``flatten``, the step-complete marker's
-    request last)."""
+    tensors (MoE experts). It needs SGLang importable here (checked before the first request; a bucket never
+    straddles devices), and copies each bucket once into its buffer, which is freed when the engine has answered (the
+    engine synchronizes its device before it answers). Returns the engine's answers to the writing requests (with
+    ``flatten``, the step-complete marker's request last)."""
     chunks = list(buckets(weights, bucket_bytes))
     for bucket in chunks:
         preflight(bucket, "update_weights_from_tensor")
+        if flatten:  # before the first request: a bucket refused here must not follow written ones
+            check_flattenable(bucket, "update_weights_from_tensor")
     if not chunks:
         return []
     tp_size = _tp_size(target, timeout) if isinstance(target, str) else None
