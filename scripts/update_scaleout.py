@@ -17,6 +17,8 @@ import math
 import time
 from typing import Any, Callable, Optional
 
+import scale_out  # scripts/gpu (on sys.path through scripts/_paths.py)
+
 # "flattened": by tensor with each bucket as one flattened buffer (push_state_dict(flatten=True))
 PATHS = ("tensor", "flattened", "atomic", "validate_only", "prequant", "broadcast", "disk")
 TARGET_S = 1.0  # issue 36: FP8 engine, one full update of Qwen3-30B-A3B shapes at TP 4, by broadcast and by tensor
@@ -25,9 +27,6 @@ TARGET_PATHS = ("tensor", "flattened", "broadcast")
 GROUP_PORT = 29650  # the update group's rendezvous; +1 for the FP8 engine (a fresh port per group)
 GB = 1e9
 MOE_MODELS = ("qwen3-30b-a3b",)
-# SGLang turns FlashInfer's all-reduce fusion on for MoE at TP > 1 and JIT-compiles it at start (minutes, then the
-# scheduler aborted in that build on 0.5.17); the update times do not depend on it
-NO_ALLREDUCE_FUSION = "--enforce-disable-flashinfer-allreduce-fusion"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -90,7 +89,7 @@ def make_plan(args: argparse.Namespace, gpus: int) -> Plan:
     prequant = [g for g in free if g != trainer] or payload
     flags = (["--tp-size", str(tp)] if tp > 1 else []) + \
         (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []) + \
-        ([NO_ALLREDUCE_FUSION] if tp > 1 and args.model in MOE_MODELS else [])
+        scale_out.start_flags(args.model in MOE_MODELS, tp)
     return Plan(tp, gpus, trainer if "broadcast" in paths else None, payload, prequant, paths, skipped, flags)
 
 

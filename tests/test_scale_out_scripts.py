@@ -88,6 +88,18 @@ def test_check_server_layouts_are_launch_flags_sglang_reads(argv, want):
             assert getattr(parsed, name) == value, (cmd, name)
 
 
+@pytest.mark.parametrize("moe,argv,off", [
+    (True, ("--tp-size", "2", "--ep-size", "2"), True), (True, ("--tp-size", "4", "--nnodes", "2"), True),
+    (True, (), False), (False, ("--tp-size", "2"), False)])
+def test_an_moe_server_at_tp_above_1_starts_without_flashinfers_allreduce_fusion(moe, argv, off):
+    """SGLang JIT-compiles FlashInfer's all-reduce fusion at the start of an MoE at TP > 1 (over 200 s, then the
+    scheduler aborted): every check's MoE server at TP > 1 turns it off, as bench_update's plan does; others keep
+    SGLang's default."""
+    args = check_server.parse_args(["--model-dir", "m", "--out", "o", *(["--moe"] if moe else []), *argv])
+    for cmd in recorded_launches(args, PORT, scale_out.dist_port(PORT, 0)):
+        assert sglang_server_args(cmd).enforce_disable_flashinfer_allreduce_fusion is off
+
+
 def test_server_b_meets_elsewhere_and_node_logs_are_separate():
     """The cold-start server's rendezvous and derived ports (rendezvous + 1..6) stay clear of server A's; node 1
     logs to its own file, which the scheme-line check reads too."""
@@ -227,7 +239,7 @@ def test_plan_puts_the_trainer_outside_the_engine():
     assert (plan.trainer_gpu, plan.payload_gpus, plan.prequant_gpus) == (2, [2], [3])
     assert "broadcast" in plan.paths and plan.server_flags == ["--tp-size", "2"]  # dense: the fusion stays SGLang's
     plan = update_scaleout.make_plan(bench_args("--tp-size", "2", "--model", "qwen3-30b-a3b"), 4)
-    assert plan.server_flags == ["--tp-size", "2", update_scaleout.NO_ALLREDUCE_FUSION]
+    assert plan.server_flags == ["--tp-size", "2", scale_out.NO_ALLREDUCE_FUSION]
     assert update_scaleout.make_plan(bench_args("--model", "qwen3-30b-a3b"), 4).server_flags == []
     plan = update_scaleout.make_plan(bench_args("--tp-size", "4", "--kv-cache-dtype", "fp8_e4m3"), 4)
     assert plan.trainer_gpu is None and "broadcast" not in plan.paths and "needs 5 GPUs" in plan.skipped["broadcast"]

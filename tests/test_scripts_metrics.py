@@ -259,6 +259,8 @@ def test_kernel_classes_and_trace_summary(tmp_path):
     assert KT.classify_kernel("void deep_gemm::sm90_fp8_gemm_1d2d_impl<...>") == "fp8 gemm"
     assert KT.classify_kernel("_per_token_group_quant_fp8") == "act quant"
     assert KT.classify_kernel("_fwd_kernel_stage1") == "attention"
+    for ours in ("_decode_attn_plan_kernel", "_decode_attn_split_kernel", "_decode_attn_merge_kernel"):
+        assert KT.classify_kernel(ours) == "attention"  # the split-KV decode's three launches
     assert KT.classify_kernel("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "gemm (bf16)"
     assert KT.classify_kernel("void flashinfer::norm::FusedAddRMSNormKernel") == "norm/rope/act"
     assert KT.classify_kernel("memcpy_thing") == "other"

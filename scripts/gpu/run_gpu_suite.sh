@@ -55,9 +55,9 @@
 #             COLOCATED_ARGS e.g. "--passes backup"       (estimated ~3-4 min warm, ~6-7 min on a fresh machine: own call)
 #   broadcast scripts/gpu/check_broadcast.py (two GPUs): update_weights_from_distributed over NCCL, BF16 and FP8
 #             codes + scales, split pairs, refused broadcasts keep the group in step      (~3 min)
-#             BROADCAST_ARGS for a server layout (issue 36; tp_size + 1 GPUs, not run on GPUs yet):
-#               "--server-gpu 0,1 --trainer-gpu 2 --tp-size 2 --nnodes 2"   NCCL to both 'nodes'  (four GPUs)
-#               "--server-gpu 0,1 --trainer-gpu 2 --tp-size 2 --ep-size 2 --moe"                 (four GPUs)
+#             BROADCAST_ARGS for a server layout (issue 36; tp_size + 1 GPUs):
+#               "--server-gpu 0,1 --trainer-gpu 2 --tp-size 2 --nnodes 2"   NCCL to both 'nodes' (11/11, 447 s: RESULTS 27e)
+#               "--server-gpu 0,1 --trainer-gpu 2 --tp-size 2 --ep-size 2 --moe"    (not run on GPUs yet)
 #   quant     scripts/bench_quant.py --json $WORK/bench_quant.json (quantization kernel micro-benchmark)
 #   gemm      scripts/bench_gemm.py: per-shape block-FP8 GEMM candidates vs BF16 (Qwen3-8B shapes); GEMM_ARGS
 #   startup   scripts/bench_startup.py: cold/warm launch_server start, BF16 vs fp8_online_blockwise (Qwen3-8B)

@@ -25,6 +25,14 @@ from typing import Callable, Optional
 NODE_PORT_STEP = 50  # node r's health stub listens on PORT + 50*r
 DIST_PORT_OFFSET = 100  # server k of a run (0: A, 1: B) meets at PORT_A + 100 + 20*k
 DIST_PORT_STEP = 20
+# SGLang turns FlashInfer's all-reduce fusion on for MoE at TP > 1 and JIT-compiles it at start (over 200 s, then the
+# scheduler aborted in that build on 0.5.17: docs/RESULTS.md sec. 22); no check here depends on it
+NO_ALLREDUCE_FUSION = "--enforce-disable-flashinfer-allreduce-fusion"
+
+
+def start_flags(moe: bool, tp_size: int) -> list[str]:
+    """Flags a server of this layout needs to start in time: FlashInfer's all-reduce fusion off for MoE at TP > 1."""
+    return [NO_ALLREDUCE_FUSION] if moe and tp_size > 1 else []
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -57,8 +65,9 @@ def check_args(args: argparse.Namespace, error: Callable[[str], None]) -> None:
 
 
 def parallel_flags(args: argparse.Namespace) -> list[str]:
-    """The launch flags both servers share: TP, EP, DP attention."""
+    """The launch flags both servers share: TP, EP, DP attention (and the start flags of an MoE at TP > 1)."""
     flags = ["--tp-size", str(args.tp_size)] if args.tp_size > 1 else []
+    flags += start_flags(getattr(args, "moe", False), args.tp_size)
     if args.ep_size > 1:
         flags += ["--ep-size", str(args.ep_size)]
     if args.enable_dp_attention:

@@ -18,9 +18,10 @@ TB/s (docs/RESULTS.md sec. 21a), so half the bytes bought 1.1-1.3x. This kernel 
   is read by many programs, not by one that the whole step waits for. The grid is fixed per batch size
   (``grid_programs``), so a CUDA graph captured at one context replays at any lengths;
 * a second launch merges each sequence's splits by their log-sum-exp, in split order (deterministic);
-* a first, small launch writes the plan (``_plan_kernel``) and both kernels read their part of it: three loads a
-  program (``preplan``, the default since the H200 sweep of docs/RESULTS.md sec. 26a). ``preplan=False`` computes
-  the plan in every program of both launches instead (the same plan, so the same bits): the benchmark's baseline.
+* a first, small launch writes the plan (``_decode_attn_plan_kernel``) and both kernels read their part of it:
+  three loads a program (``preplan``, the default since the H200 sweep of docs/RESULTS.md sec. 26a).
+  ``preplan=False`` computes the plan in every program of both launches instead (the same plan, so the same bits):
+  the benchmark's baseline. In a served step the plan launch costs 2.6 us a layer (sec. 27b).
 
 K, V and the query are widened to FP16 in registers (E4M3 -> FP16 is exact); the scores and the weighted sum use FP16
 MMAs with float32 accumulation, P rounded to FP16 (FA3's FP8 path rounds it to E4M3).
@@ -89,8 +90,9 @@ def _plan(seqlens_ptr, batch, budget, BLOCK_B: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _plan_kernel(seqlens_ptr, plan_ptr, batch, budget, programs, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
-                 MAX_SPLITS: tl.constexpr, FINE: tl.constexpr, BLOCK_P: tl.constexpr):
+def _decode_attn_plan_kernel(seqlens_ptr, plan_ptr, batch, budget, programs, BLOCK_B: tl.constexpr,
+                             BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
+                             BLOCK_P: tl.constexpr):
     """The step's plan written once (``preplan``), for BLOCK_P programs per program of this launch: per program of
     the split launch its sequence (``batch``: no work), split and tiles per split, at plan_ptr[0:3 * programs]; per
     sequence its first program and its splits after them."""
@@ -319,8 +321,8 @@ def fp8_decode_attention(
     # without preplan the kernels never read plan_ptr: any int32 tensor will do, nothing is allocated
     plan_buf = torch.empty(3 * programs + 2 * batch, dtype=torch.int32, device=q.device) if preplan else cache_seqlens
     if preplan:
-        _plan_kernel[(triton.cdiv(programs, PLAN_BLOCK_P),)](cache_seqlens, plan_buf, batch, budget, programs,
-                                                            BLOCK_P=PLAN_BLOCK_P, **plan)
+        _decode_attn_plan_kernel[(triton.cdiv(programs, PLAN_BLOCK_P),)](cache_seqlens, plan_buf, batch, budget,
+                                                                         programs, BLOCK_P=PLAN_BLOCK_P, **plan)
     _decode_attn_split_kernel[(programs, kv_heads)](
         q, k_cache, v_cache, page_table, cache_seqlens, k_descale, v_descale, part_o, part_lse,
         q.stride(0), q.stride(1),
