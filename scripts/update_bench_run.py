@@ -118,7 +118,7 @@ class Bench:
         """One extra push bucket by bucket (atomic=False; flattened buckets with ``flatten``), reading last_update
         after each (FP8 engine only)."""
         from sglang_fp8rl.trainer import push_state_dict
-        from sglang_fp8rl.weight_sync.client import buckets
+        from sglang_fp8rl.weight_sync.buckets import buckets
 
         per = []
         for bucket in buckets(weights, self.args.bucket_mb << 20):

@@ -178,7 +178,8 @@ def validate_only_push(url: str, weights: dict, bucket_bytes: int) -> int:
     import requests
 
     from sglang_fp8rl.trainer import WeightPushError
-    from sglang_fp8rl.weight_sync.client import buckets, serialize_for_ranks  # the client's bucketing, sent by hand
+    from sglang_fp8rl.weight_sync.buckets import buckets  # the client's bucketing, sent by hand
+    from sglang_fp8rl.weight_sync.client import serialize_for_ranks
     from sglang_fp8rl.weight_sync.protocol import VALIDATE_ONLY
 
     tp_size = int(requests.get(url + "/get_server_info", timeout=60).json().get("tp_size", 1))

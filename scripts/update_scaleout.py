@@ -162,7 +162,7 @@ def broadcast_path(bench: Any, eng: str, e: dict, url: str, sd: dict, phase_end:
     import torch
 
     from sglang_fp8rl.trainer import init_update_group, push_distributed
-    from sglang_fp8rl.weight_sync.client import buckets
+    from sglang_fp8rl.weight_sync.buckets import buckets
 
     name, bucket_bytes = f"fp8rl_bench_{eng}", bench.args.bucket_mb << 20
     torch.cuda.set_device(plan.trainer_gpu)

@@ -143,7 +143,7 @@ def scenario_session_recovery(runner, extra: dict) -> dict:
     the next trainer's push_state_dict closes the stale session (the engine drops the half and keeps the dead step's
     tensors dirty) and its own step succeeds."""
     from sglang_fp8rl.quant import quantize_blockwise
-    from sglang_fp8rl.weight_sync.client import buckets
+    from sglang_fp8rl.weight_sync.buckets import buckets
 
     records = Records()
     model = runner.torch_runner.model

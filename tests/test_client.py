@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sgl_model import TINY, assert_same_params, random_state_dict, run_worker, write_checkpoint
 
-from sglang_fp8rl.weight_sync.client import WeightPushError, buckets, named_items, serialize_for_ranks
+from sglang_fp8rl.weight_sync.buckets import buckets, named_items
+from sglang_fp8rl.weight_sync.client import WeightPushError, serialize_for_ranks
 
 QUANT = ("--quantization", "fp8_online_blockwise")
 
@@ -270,7 +271,7 @@ def test_flattened_bucket_puts_the_widest_dtypes_first():
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     from sglang_fp8rl.hooks.transport import check_bucket_metadata, tensors_of_bucket
-    from sglang_fp8rl.weight_sync.client import flattened_bucket
+    from sglang_fp8rl.weight_sync.buckets import flattened_bucket
     from sglang_fp8rl.weight_sync.validate import UpdateRejected
 
     named = [("a", torch.full((3,), 1.5, dtype=torch.bfloat16)), ("b", torch.arange(4, dtype=torch.float32)),

@@ -9,12 +9,13 @@ import sys
 
 CONTRACT = ["push_state_dict", "push_distributed", "push_from_disk", "init_update_group", "recalibrate_kv_scales",
             "step_session", "WeightPushError", "SessionError"]
-# everything of ours that importing the trainer's API may load: the client, its session and errors, the wire names,
-# the numerics of its preflight check, and the adapters of the payload and sessions to SGLang's releases
+# everything of ours that importing the trainer's API may load: the client, its buckets, session and errors, the wire
+# names, the numerics of its preflight check, and the adapters of the payload and sessions to SGLang's releases
 TRAINER_SIDE = {"sglang_fp8rl", "sglang_fp8rl.trainer", "sglang_fp8rl.quant", "sglang_fp8rl.compat",
                 "sglang_fp8rl.compat.updates", "sglang_fp8rl.weight_sync", "sglang_fp8rl.weight_sync.client",
-                "sglang_fp8rl.weight_sync.errors", "sglang_fp8rl.weight_sync.finite",
-                "sglang_fp8rl.weight_sync.protocol", "sglang_fp8rl.weight_sync.session"}
+                "sglang_fp8rl.weight_sync.buckets", "sglang_fp8rl.weight_sync.errors",
+                "sglang_fp8rl.weight_sync.finite", "sglang_fp8rl.weight_sync.protocol",
+                "sglang_fp8rl.weight_sync.session"}
 
 
 def test_all_is_the_contract_and_each_name_imports():

@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from sglang_fp8rl.quant import extremes, extremes_finite_in_bf16  # noqa: E402
-from sglang_fp8rl.weight_sync.client import buckets, preflight  # noqa: E402
+from sglang_fp8rl.weight_sync.buckets import buckets  # noqa: E402
+from sglang_fp8rl.weight_sync.client import preflight  # noqa: E402
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -322,7 +322,7 @@ def bad_updates(p: Payloads, step_bucket_bytes: int = STEP_BUCKET_BYTES) -> list
 
 def client_buckets(weights: dict[str, torch.Tensor], bucket_bytes: int) -> Iterable[NamedList]:
     """The client's split of a step into buckets."""
-    from sglang_fp8rl.weight_sync.client import buckets
+    from sglang_fp8rl.weight_sync.buckets import buckets
 
     return buckets(weights, bucket_bytes)
 

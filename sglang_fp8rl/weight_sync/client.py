@@ -23,13 +23,20 @@ import logging
 import os
 import threading
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
 from sglang_fp8rl.compat.updates import reduce_host_tensor
 from sglang_fp8rl.quant import extremes, extremes_finite_in_bf16
+from sglang_fp8rl.weight_sync.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    NamedTensors,
+    buckets,
+    check_flattenable,
+    flattened_bucket,
+)
 from sglang_fp8rl.weight_sync.errors import WeightPushError
 from sglang_fp8rl.weight_sync.finite import all_finite_in_bf16
 from sglang_fp8rl.weight_sync.protocol import (
@@ -47,56 +54,11 @@ logger = logging.getLogger(__name__)
 # unless --enable-symm-mem); the trainer's end of the update group must match them (verl sets the same on its side)
 ENGINE_NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0"}
 
-DEFAULT_BUCKET_BYTES = 512 << 20
 DEFAULT_TIMEOUT_S = 600.0
 SENDABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_CODES = torch.float8_e4m3fn  # sent only with its `<name>_scale_inv` (float32 block scales), in the same bucket
-NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 # torch's reduce_tensor argument that holds a CUDA tensor's device index (SGLang sends the device UUID there)
 _DEVICE_ARG = 6
-
-
-def named_items(weights: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from a state_dict, ``named_parameters()`` or a list; parameters are detached."""
-    items = weights.items() if isinstance(weights, Mapping) else weights
-    for name, tensor in items:
-        yield name, tensor.detach()
-
-
-def _units(weights: NamedTensors) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Tensors in order, each pre-quantized weight together with its scale (they must travel in one request)."""
-    items = list(named_items(weights))
-    names = {name for name, _ in items}
-    scales = {name: t for name, t in items if name.endswith(".weight" + SCALE_SUFFIX)}
-    paired = {name[: -len(SCALE_SUFFIX)] for name in scales} & names
-    for name, tensor in items:
-        if name in scales and name[: -len(SCALE_SUFFIX)] in names:
-            continue  # sent with its weight
-        if name in paired:
-            yield [(name, tensor), (name + SCALE_SUFFIX, scales[name + SCALE_SUFFIX])]
-        else:
-            yield [(name, tensor)]
-
-
-def buckets(weights: NamedTensors,
-            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of at most ``bucket_bytes``, each of one device (a larger single tensor travels alone; a
-    pre-quantized weight and its scale stay together)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for unit in _units(weights):
-        nbytes = sum(t.numel() * t.element_size() for _, t in unit)
-        # a new device starts a new bucket: a flattened bucket is one buffer on one device (a trainer's payload
-        # spread over its GPUs made buckets that straddled two)
-        if bucket and (size + nbytes > bucket_bytes or unit[0][1].device != bucket[-1][1].device):
-            yield bucket
-            bucket, size = [], 0
-        bucket.extend(unit)
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def preflight(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
@@ -122,30 +84,6 @@ def preflight(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
         bad = next((name for name, t in plain if not extremes_finite_in_bf16(extremes(t))), None)
         if bad is not None:
             raise WeightPushError(f"{what} not sent: {bad}: contains NaN/Inf in BF16")
-
-
-def check_flattenable(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
-    """Raise WeightPushError if ``bucket`` cannot travel as one flattened buffer (checked before anything is sent)."""
-    try:
-        import sglang.srt.weight_sync.tensor_bucket  # noqa: F401
-    except ImportError as e:  # its metadata unpickles on the engine as SGLang's class: the trainer needs SGLang
-        raise WeightPushError(f"{what} not sent: flatten=True builds SGLang's FlattenedTensorBucket, and SGLang "
-                              f"does not import here ({e})") from e
-    devices = {str(t.device) for _, t in bucket}
-    if len(devices) > 1:
-        raise WeightPushError(f"{what} not sent: flatten=True needs one device per bucket, got {sorted(devices)} "
-                              f"({bucket[0][0]} ...): move the tensors, or push with flatten=False")
-
-
-def flattened_bucket(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> dict[str, Any]:
-    """SGLang's flattened bucket of ``bucket`` (one uint8 buffer and its metadata, built by SGLang's own class),
-    the widest dtypes first: every tensor then starts aligned to its element size, as the engine requires."""
-    check_flattenable(bucket, what)
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-    ordered = sorted(bucket, key=lambda item: -item[1].element_size())  # stable: same-width tensors keep their order
-    packed = FlattenedTensorBucket(named_tensors=[(name, t.contiguous()) for name, t in ordered])
-    return {"flattened_tensor": packed.get_flattened_tensor(), "metadata": packed.get_metadata()}
 
 
 def _check_answer(answer: Any, what: str) -> Any:
