@@ -27,6 +27,7 @@ import sys
 import time
 
 from sglang_fp8rl.demo_common import say
+from sglang_fp8rl.weight_sync.buckets import DEFAULT_BUCKET_BYTES
 
 _STARTED = time.perf_counter()  # the CPU version's total counts its imports, most of a cold run
 
@@ -49,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu = p.add_argument_group("GPU version")
     gpu.add_argument("--port", type=int, default=30030)
     gpu.add_argument("--mem", type=float, default=0.2, help="--mem-fraction-static (default 0.2)")
-    gpu.add_argument("--bucket-mb", type=int, default=512)
+    gpu.add_argument("--bucket-mb", type=int, default=DEFAULT_BUCKET_BYTES >> 20)
     gpu.add_argument("--timeout", type=float, default=420, help="seconds to wait for the server (default 420)")
     gpu.add_argument("--fresh-caches", action="store_true",
                      help="start the server with empty JIT caches (Triton, DeepGEMM, inductor, tvm-ffi) under the work "

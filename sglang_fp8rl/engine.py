@@ -59,11 +59,6 @@ def declare(concern: str, factory: Callable[[], T]) -> T:
     return owner
 
 
-def owners() -> dict[str, Any]:
-    """Every declared concern and its owner (those of the modules imported so far)."""
-    return {concern: getattr(OWNERS, concern) for concern in _FACTORIES}
-
-
 def reset(*concerns: str) -> None:
     """Fresh owners for ``concerns``, every declared one when none is named (tests: a case that must not see what
     an earlier one left)."""

@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
+UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what a weight may arrive in, to be quantized
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 AMAX_FLOOR = 1e-10
 DEFAULT_BLOCK_SIZE: tuple[int, int] = (128, 128)

@@ -27,7 +27,7 @@ KV_SCALE_OPTIONS = ("auto", "static", "calibrate")  # auto: calibrate with an FP
 KV_WRITE_OPTIONS = ("sglang", "fused")  # how calibrated K/V reach the cache (hooks/kv_cache.py)
 QUANTIZATION_NAME = "fp8_online_blockwise"
 FP8_DECODE_GRAPH_MAX_BS = 512  # decode CUDA-graph capture with this method (hooks/server_args.py says why)
-_PARSER_MARK = "_fp8rl_options_added"
+OPTIONS_MARK = "_fp8rl_options_added"  # set on a parser and on ServerArgs once our options are added
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,9 +127,9 @@ def _flag(field: str) -> str:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add the `--fp8rl-*` group to an SGLang argument parser (idempotent); defaults come from Fp8rlOptions."""
-    if getattr(parser, _PARSER_MARK, False):
+    if getattr(parser, OPTIONS_MARK, False):
         return
-    setattr(parser, _PARSER_MARK, True)
+    setattr(parser, OPTIONS_MARK, True)
     group = parser.add_argument_group("sglang-fp8rl (with --quantization fp8_online_blockwise)")
     d = _DEFAULTS
     group.add_argument(

@@ -11,6 +11,7 @@ from sglang_fp8rl.compat.runtime import decode_graph_max_to_fill, decode_graphs_
 from sglang_fp8rl.layers.config import refuse_unsupported_setup
 from sglang_fp8rl.server_args import (
     FP8_DECODE_GRAPH_MAX_BS,
+    OPTIONS_MARK,
     QUANTIZATION_NAME,
     add_cli_args,
     lazy_deepgemm_compile,
@@ -18,7 +19,6 @@ from sglang_fp8rl.server_args import (
     set_options,
 )
 
-_MARK = "_fp8rl_options_added"
 logger = logging.getLogger(__name__)
 
 
@@ -55,7 +55,7 @@ def install_server_args_hooks() -> None:
     """Extend SGLang's `ServerArgs.add_cli_args` / `from_cli_args` with our options (idempotent)."""
     from sglang.srt.server_args import ServerArgs
 
-    if getattr(ServerArgs, _MARK, False):
+    if getattr(ServerArgs, OPTIONS_MARK, False):
         return
     original_add = ServerArgs.add_cli_args
     original_from = ServerArgs.from_cli_args.__func__
@@ -78,4 +78,4 @@ def install_server_args_hooks() -> None:
 
     ServerArgs.add_cli_args = staticmethod(add_cli_args_with_fp8rl)
     ServerArgs.from_cli_args = classmethod(from_cli_args_with_fp8rl)
-    setattr(ServerArgs, _MARK, True)
+    setattr(ServerArgs, OPTIONS_MARK, True)

@@ -26,8 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-GROUP_K = 128  # activation group = weight block along K = one K step
-WEIGHT_BLOCK_N = 128  # weight-scale rows cover 128 output channels
+from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE, DEFAULT_GROUP_SIZE
+
+GROUP_K = DEFAULT_GROUP_SIZE  # activation group = weight block along K = one K step (the kernel takes no other)
+WEIGHT_BLOCK_N = DEFAULT_BLOCK_SIZE[0]  # weight-scale rows cover this many output channels
 BLOCK_N_CHOICES = (64, 128)
 SPLIT_K_CHOICES = (1, 2, 4)
 MAX_BLOCK_M = 128

@@ -24,10 +24,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from sglang_fp8rl import quant
-from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE, FP8_DTYPE, ScaleFormat
+from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE, FP8_DTYPE, UNQUANTIZED_DTYPES, ScaleFormat
 
 NONFINITE_FLAG_DTYPE = torch.int32
-KERNEL_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @functools.cache
@@ -49,11 +48,6 @@ def _grouped_kernels():
     return triton_grouped
 
 
-def triton_available() -> bool:
-    """Whether the Triton kernels import (never on a machine without Triton)."""
-    return _kernels() is not None
-
-
 def _on_kernel_path(w: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor) -> bool:
     """Kernel conditions shared by both quantizers; anything else is the reference's business."""
     return (
@@ -61,7 +55,7 @@ def _on_kernel_path(w: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tenso
         and scale_out.device == q_out.device
         and w.dim() == 2
         and w.numel() > 0
-        and w.dtype in KERNEL_INPUT_DTYPES
+        and w.dtype in UNQUANTIZED_DTYPES
         and _kernels() is not None
     )
 

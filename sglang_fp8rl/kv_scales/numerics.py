@@ -3,7 +3,7 @@
 Convention (SGLang's): the scale is the **dequantization multiplier**, the cache holds ``fp8(x / scale)`` and
 attention reads ``code * scale``.
 
-``scale = round_up(max(amax, AMAX_FLOOR) * margin / 448)``, computed exactly (rationals) on the host:
+``scale = round_up(max(amax, KV_AMAX_FLOOR) * margin / 448)``, computed exactly (rationals) on the host:
 
 * ``margin`` (default 2): the calibration batch is not the rollout. K or V of a later token may exceed the amax seen
   on it and is then clipped (:func:`saturating_scale_`: on CUDA an E4M3 cast past 448 gives NaN, measured on an
@@ -14,8 +14,8 @@ attention reads ``code * scale``.
   ``k / scale`` is rounded once (to E4M3), not twice (to BF16, then E4M3); the decode fold of the float-reading
   backends (decode_fold.py) stays exact; and small amax drifts leave the scale unchanged. ``fp32``: the smallest
   float32 >= the value (never below it, so ``amax * margin`` itself never saturates).
-* ``AMAX_FLOOR`` (2**-10): a layer whose K or V stayed below it on the whole calibration batch (e.g. a zero-initialised
-  projection) carries no range information; the floor keeps its scale a positive normal float.
+* ``KV_AMAX_FLOOR`` (2**-10): a layer whose K or V stayed below it on the whole calibration batch (e.g. a
+  zero-initialised projection) carries no range information; the floor keeps its scale a positive normal float.
 * a non-finite amax (the model produced NaN/Inf K or V) is rejected: no scale is derived from it.
 """
 
@@ -29,13 +29,13 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from sglang_fp8rl.quant import FP8_MAX
+from sglang_fp8rl.quant import FP8_MAX, SCALE_FORMATS
 
-KV_SCALE_FORMATS = ("pow2", "fp32")
+KV_SCALE_FORMATS = SCALE_FORMATS  # the weights' two: exact float32, or powers of two
 DEFAULT_KV_SCALE_FORMAT = "pow2"
 DEFAULT_KV_MARGIN = 2.0
-AMAX_FLOOR = 2.0**-10
-_FLOOR = Fraction(AMAX_FLOOR)
+KV_AMAX_FLOOR = 2.0**-10
+_FLOOR = Fraction(KV_AMAX_FLOOR)
 KV_NAMES = ("k", "v")  # column order of every [layers, 2] table in this package
 
 
@@ -135,7 +135,7 @@ def round_scales(scales: torch.Tensor, policy: ScalePolicy = ScalePolicy()) -> t
 
 def headroom(amax: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``448 * scale / amax``: how far the calibrated amax sits below saturation (>= margin by construction)."""
-    amax = amax.detach().to("cpu", torch.float64).clamp(min=AMAX_FLOOR)
+    amax = amax.detach().to("cpu", torch.float64).clamp(min=KV_AMAX_FLOOR)
     return scales.detach().to("cpu", torch.float64) * FP8_MAX / amax
 
 

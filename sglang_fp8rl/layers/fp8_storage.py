@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import hashlib
 from collections.abc import Iterator, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -27,7 +27,7 @@ from sglang_fp8rl.kernels.dispatch import (
 )
 from sglang_fp8rl.layers.placement import scale_rows
 from sglang_fp8rl.layers.scheme import Scheme, SchemeDecision
-from sglang_fp8rl.quant import FP8_DTYPE, dequantize_blockwise
+from sglang_fp8rl.quant import FP8_DTYPE, UNQUANTIZED_DTYPES, dequantize_blockwise
 
 # attribute of our FP8 parameters holding a loader twin that validates an incoming tensor without writing
 # (used by the weight-update dry run); it returns the IncomingWrite the loader would make
@@ -38,7 +38,6 @@ STATE_ATTR = "_fp8rl"
 # attribute of FP8 codes sent pre-quantized (a trainer's checkpoint-format update): their block scales, the
 # [ceil(N/128), ceil(K/128)] float32 dequantization multipliers sent as `<name>_scale_inv` (weight_sync/fp8_payload.py)
 SCALE_ATTR = "fp8rl_scale_inv"
-UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # SGLang's dummy loader draws weights from U(-1e-3, 1e-3); never-loaded layers get the same distribution in BF16.
 DUMMY_WEIGHT_RANGE = 1e-3
@@ -232,8 +231,8 @@ def dummy_bf16(shape: tuple[int, ...], device: torch.device, key: str) -> torch.
     return w.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
 
 
-def refuse_scale(prefix: str, name: str, param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args,
-                 **kwargs) -> None:
+def refuse_scale(prefix: str, name: str, param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args: Any,
+                 **kwargs: Any) -> None:
     """Weight loader of our scale parameters (dense and MoE): scales come with their codes or from our quantizer."""
     raise ValueError(
         f"{prefix}.{name}: fp8_online_blockwise computes FP8 scales itself, or takes them only as "

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
 import torch
 
 from sglang_fp8rl.weight_sync.errors import WeightPushError
-from sglang_fp8rl.weight_sync.protocol import SCALE_SUFFIX
+from sglang_fp8rl.weight_sync.protocol import SCALE_SUFFIX, is_scale_name
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -26,7 +26,7 @@ def _units(weights: NamedTensors) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Tensors in order, each pre-quantized weight together with its scale (they must travel in one request)."""
     items = list(named_items(weights))
     names = {name for name, _ in items}
-    scales = {name: t for name, t in items if name.endswith(".weight" + SCALE_SUFFIX)}
+    scales = {name: t for name, t in items if is_scale_name(name)}
     paired = {name[: -len(SCALE_SUFFIX)] for name in scales} & names
     for name, tensor in items:
         if name in scales and name[: -len(SCALE_SUFFIX)] in names:

@@ -29,7 +29,7 @@ import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
 from sglang_fp8rl.compat.updates import reduce_host_tensor
-from sglang_fp8rl.quant import extremes, extremes_finite_in_bf16
+from sglang_fp8rl.quant import FP8_DTYPE, UNQUANTIZED_DTYPES, extremes, extremes_finite_in_bf16
 from sglang_fp8rl.weight_sync.buckets import (
     DEFAULT_BUCKET_BYTES,
     NamedTensors,
@@ -41,10 +41,10 @@ from sglang_fp8rl.weight_sync.errors import WeightPushError
 from sglang_fp8rl.weight_sync.finite import all_finite_in_bf16
 from sglang_fp8rl.weight_sync.protocol import (
     FLATTENED_BUCKET,
-    SCALE_SUFFIX,
     STEP_COMPLETE,
     VALIDATE_ONLY,
     VALIDATE_ONLY_FLATTENED,
+    is_scale_name,
 )
 from sglang_fp8rl.weight_sync.session import step_session
 
@@ -55,8 +55,6 @@ logger = logging.getLogger(__name__)
 ENGINE_NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0"}
 
 DEFAULT_TIMEOUT_S = 600.0
-SENDABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP8_CODES = torch.float8_e4m3fn  # sent only with its `<name>_scale_inv` (float32 block scales), in the same bucket
 # torch's reduce_tensor argument that holds a CUDA tensor's device index (SGLang sends the device UUID there)
 _DEVICE_ARG = 6
 
@@ -71,9 +69,9 @@ def preflight(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
         seen.add(name)
         if not isinstance(tensor, torch.Tensor):
             raise WeightPushError(f"{what} not sent: {name}: {type(tensor).__name__} is not a tensor")
-        if tensor.dtype == FP8_CODES or name.endswith(".weight" + SCALE_SUFFIX):
+        if tensor.dtype == FP8_DTYPE or is_scale_name(name):
             continue  # pre-quantized: the engine checks codes and scales together
-        if tensor.dtype not in SENDABLE_DTYPES:
+        if tensor.dtype not in UNQUANTIZED_DTYPES:
             raise WeightPushError(f"{what} not sent: {name}: {tensor.dtype} is not accepted (send bf16, fp16 or "
                                   "fp32, or float8_e4m3fn codes with their weight_scale_inv)")
         if tensor.numel():

@@ -22,7 +22,7 @@ import torch
 
 from sglang_fp8rl.layers.fp8_storage import SCALE_ATTR
 from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE, FP8_DTYPE, blockwise_scale_shape
-from sglang_fp8rl.weight_sync.protocol import CONTROL_NAMES, CONTROL_PREFIX, SCALE_SUFFIX
+from sglang_fp8rl.weight_sync.protocol import CONTROL_NAMES, CONTROL_PREFIX, SCALE_SUFFIX, is_scale_name
 from sglang_fp8rl.weight_sync.validate import UpdateRejected
 
 _NAN_CODE = 0x7F  # E4M3FN has no Inf; S.1111.111 (0x7F, 0xFF) is its only NaN
@@ -41,16 +41,12 @@ def split_control(named: Sequence[tuple[Any, Any]]) -> tuple[list[tuple[Any, Any
     return weights, control
 
 
-def _is_scale_name(name: Any) -> bool:
-    return isinstance(name, str) and name.endswith(".weight" + SCALE_SUFFIX)
-
-
 def attach_scales(named: Sequence[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     """The request with each ``weight_scale_inv`` attached to its FP8 codes and removed from the list; rejects
     unpaired or malformed pre-quantized tensors. Requests without FP8 codes come back unchanged."""
     by_name = {name: t for name, t in named if isinstance(name, str)}
     codes = {n for n, t in by_name.items() if isinstance(t, torch.Tensor) and t.dtype == FP8_DTYPE}
-    scales = {n for n in by_name if _is_scale_name(n)}
+    scales = {n for n in by_name if is_scale_name(n)}
     if not codes and not scales:
         return list(named)
     for name in sorted(codes):
@@ -85,12 +81,12 @@ class Pairing:
 
 def weight_of(name: str) -> str:
     """The weight a half belongs to: a scale's weight, or the weight itself."""
-    return name[: -len(SCALE_SUFFIX)] if _is_scale_name(name) else name
+    return name[: -len(SCALE_SUFFIX)] if is_scale_name(name) else name
 
 
 def partner_name(name: str) -> str:
     """The other half's name: a weight's scale, or a scale's weight."""
-    return weight_of(name) if _is_scale_name(name) else name + SCALE_SUFFIX
+    return weight_of(name) if is_scale_name(name) else name + SCALE_SUFFIX
 
 
 def without_partners(names: Iterable[str]) -> str:
@@ -99,7 +95,7 @@ def without_partners(names: Iterable[str]) -> str:
 
 
 def _is_half(name: Any, tensor: Any) -> bool:
-    return _is_scale_name(name) or (isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE)
+    return is_scale_name(name) or (isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE)
 
 
 def superseded_halves(named: Sequence[tuple[Any, Any]], held: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
@@ -154,7 +150,7 @@ def pair_stream(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
     for name, tensor in weights:
         if isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE:
             held_codes[name] = tensor
-        elif _is_scale_name(name):
+        elif is_scale_name(name):
             held_scales[weight_of(name)] = tensor
         else:
             yield name, tensor

@@ -10,7 +10,7 @@ an update or none does, and turns every outcome into SGLang's ``(success, messag
   every rank: the engine is inconsistent and refuses to serve until they are re-sent.
 
 Nothing escapes into SGLang's scheduler: an exception there would kill the engine, which costs an RL job hours.
-That is why the two ``except Exception`` clauses below exist; they log the traceback and answer with the
+That is why the three ``except Exception`` clauses below exist; they log the traceback and answer with the
 exception's type and message.
 """
 

@@ -26,6 +26,11 @@ FLATTENED_FORMATS = (FLATTENED_BUCKET, VALIDATE_ONLY_FLATTENED)  # a request who
 # pre-quantized FP8: ``<name>`` as float8_e4m3fn codes travels with ``<name>_scale_inv`` (float32 block scales)
 SCALE_SUFFIX = "_scale_inv"
 
+
+def is_scale_name(name: object) -> bool:
+    """Whether ``name`` is a pre-quantized weight's scale (``<...>.weight_scale_inv``)."""
+    return isinstance(name, str) and name.endswith(".weight" + SCALE_SUFFIX)
+
 # marks in the engine's answers: the engine's notes (a refusal, a validation, a step ended incomplete) start with
 # ANSWER_MARK (the client logs a session's begin answer that carries one: what the engine dropped of a step left open);
 # every answer given while the engine is inconsistent holds INCONSISTENT_MARK (the HTTP process reads it:

@@ -84,7 +84,7 @@ def step_session(target: Any, timeout: float) -> Iterator[bool]:
     opened = begin(target, timeout)
     try:
         yield opened
-    except BaseException:
+    except BaseException:  # a dead trainer's KeyboardInterrupt too: the engine must not keep the session open
         if opened:
             try:
                 end(target, timeout)

@@ -25,13 +25,12 @@ from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang_fp8rl.layers.fp8_storage import CHECK_ATTR, IncomingWrite, is_prequantized
 from sglang_fp8rl.layers.moe import EXPERT_WEIGHTS, unquantized_expert_shape
 from sglang_fp8rl.layers.placement import placement_for_layer
-from sglang_fp8rl.quant import FP8_DTYPE, extremes, extremes_finite_in_bf16
+from sglang_fp8rl.quant import FP8_DTYPE, UNQUANTIZED_DTYPES, extremes, extremes_finite_in_bf16
 from sglang_fp8rl.weight_sync.finite import all_finite_in_bf16
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
-ACCEPTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-WIRE_DTYPES = ACCEPTED_DTYPES + (FP8_DTYPE,)  # what may travel: FP8 E4M3 codes only with their scales
+WIRE_DTYPES = UNQUANTIZED_DTYPES + (FP8_DTYPE,)  # what may travel: FP8 E4M3 codes only with their scales
 # names that SGLang's model loaders skip on purpose (not parameters); accepted and ignored
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # what SGLang's loaders raise on a tensor they do not take (asserts included)
@@ -58,7 +57,7 @@ def check_dtype(name: str, tensor: object) -> None:
     """Reject non-tensors and dtypes other than BF16/FP16/FP32 (and FP8 E4M3 codes paired with their scales)."""
     if not isinstance(tensor, torch.Tensor):
         raise UpdateRejected(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in ACCEPTED_DTYPES and not is_prequantized(tensor):
+    if tensor.dtype not in UNQUANTIZED_DTYPES and not is_prequantized(tensor):
         raise UpdateRejected(f"{name}: dtype {tensor.dtype} is not accepted (send bf16, fp16 or fp32 weights, or "
                              "float8_e4m3fn codes with their weight_scale_inv)")
 
