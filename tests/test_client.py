@@ -289,13 +289,21 @@ def test_flattened_bucket_puts_the_widest_dtypes_first():
 
 
 def test_buckets_never_straddle_devices():
-    """A payload spread over devices (a trainer's GPUs) is cut where the device changes, so each bucket can travel
-    as one flattened buffer; the byte budget still holds and nothing is lost or reordered."""
+    """A payload spread over devices (a trainer's GPUs) goes in buckets of one device each, each device's tensors in
+    their order; one bucket is open per device, so tensors that alternate between devices (a placement balanced
+    tensor by tensor) still fill whole buckets instead of one bucket per tensor."""
     sd = {"a": torch.zeros(4, dtype=torch.bfloat16), "b": torch.zeros(4, dtype=torch.bfloat16, device="meta"),
           "c": torch.zeros(4, dtype=torch.bfloat16, device="meta"), "d": torch.zeros(4, dtype=torch.bfloat16)}
     groups = list(buckets(sd, bucket_bytes=1 << 20))
-    assert [[n for n, _ in g] for g in groups] == [["a"], ["b", "c"], ["d"]]
+    assert [[n for n, _ in g] for g in groups] == [["a", "d"], ["b", "c"]]
+    alternating = {f"t{i}": torch.zeros(4, dtype=torch.bfloat16, device="cpu" if i % 2 else "meta")
+                   for i in range(40)}  # 8 bytes each
+    groups = list(buckets(alternating, bucket_bytes=80))
+    assert len(groups) == 4 and all(len(g) == 10 for g in groups)
     assert all(len({t.device for _, t in g}) == 1 for g in groups)
+    assert sorted(n for g in groups for n, _ in g) == sorted(alternating)
+    for g in groups:  # each device's tensors keep their order
+        assert [int(n[1:]) for n, _ in g] == sorted(int(n[1:]) for n, _ in g)
 
 
 def test_a_bucket_that_cannot_be_flattened_is_refused_before_anything_is_sent():

@@ -39,23 +39,26 @@ def _units(weights: NamedTensors) -> Iterator[list[tuple[str, torch.Tensor]]]:
 
 def buckets(weights: NamedTensors,
             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of at most ``bucket_bytes``, each of one device (a larger single tensor travels alone; a
-    pre-quantized weight and its scale stay together)."""
+    """Groups of at most ``bucket_bytes``, each of one device, in the weights' order within a device (a larger
+    single tensor travels alone; a pre-quantized weight and its scale stay together). One bucket is open per device,
+    so a payload whose tensors alternate between devices still fills whole buckets; with one device the groups are
+    consecutive."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    # a flattened bucket is one buffer on one device: a bucket that straddled two could not travel
+    open_buckets: dict[torch.device, tuple[list[tuple[str, torch.Tensor]], int]] = {}
     for unit in _units(weights):
+        device = unit[0][1].device
         nbytes = sum(t.numel() * t.element_size() for _, t in unit)
-        # a new device starts a new bucket: a flattened bucket is one buffer on one device (a trainer's payload
-        # spread over its GPUs made buckets that straddled two)
-        if bucket and (size + nbytes > bucket_bytes or unit[0][1].device != bucket[-1][1].device):
+        bucket, size = open_buckets.get(device, ([], 0))
+        if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
         bucket.extend(unit)
-        size += nbytes
-    if bucket:
-        yield bucket
+        open_buckets[device] = (bucket, size + nbytes)
+    for bucket, _ in open_buckets.values():
+        if bucket:
+            yield bucket
 
 
 def check_flattenable(bucket: Sequence[tuple[str, torch.Tensor]], what: str) -> None:

@@ -189,8 +189,8 @@ def push_state_dict(target: Any, weights: NamedTensors, bucket_bytes: int = DEFA
     ``weights`` may mix BF16/FP16/FP32 tensors and pre-quantized FP8 (``<name>`` as float8_e4m3fn codes with
     ``<name>_scale_inv``). With ``flatten`` each bucket travels as SGLang's flattened bucket (load_format
     ``flattened_bucket``): one buffer, so one CUDA IPC handle, instead of one per tensor; for models of many small
-    tensors (MoE experts). It needs SGLang importable here (checked before the first request; a bucket never
-    straddles devices), and copies each bucket once into its buffer, which is freed when the engine has answered (the
+    tensors (MoE experts). It needs SGLang importable here (checked before the first request; each bucket holds
+    one device's tensors), and copies each bucket once into its buffer, which is freed when the engine has answered (the
     engine synchronizes its device before it answers). Returns the engine's answers to the writing requests (with
     ``flatten``, the step-complete marker's request last)."""
     chunks = list(buckets(weights, bucket_bytes))
