@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from sglang_fp8rl.quant import extremes, extremes_finite_in_bf16  # noqa: E402
-from sglang_fp8rl.weight_sync.buckets import buckets  # noqa: E402
+from sglang_fp8rl.weight_sync.buckets import DEFAULT_BUCKET_BYTES, buckets  # noqa: E402
 from sglang_fp8rl.weight_sync.client import preflight  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tensors", type=int, default=18867)
     p.add_argument("--shape", type=int, nargs=2, default=(768, 2048), metavar=("ROWS", "COLS"))
-    p.add_argument("--bucket-mb", type=int, default=512)
+    p.add_argument("--bucket-mb", type=int, default=DEFAULT_BUCKET_BYTES >> 20)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)

@@ -20,7 +20,7 @@ on another, the update group of tp_size + 1 ranks:
   ... --server-gpu 0,1 --trainer-gpu 2 --tp-size 2 --ep-size 2 --moe    (or --enable-dp-attention --dp-size 2)
 Writes OUT/check_broadcast.json; exit 0 when every check passed, 1 otherwise, 2 without tp_size + 1 GPUs.
 (The first run, 2026-11-25, failed in the engine's receive with "Cuda failure 'invalid argument'": this process
-then ran NCCL with NCCL_CUMEM_ENABLE unset (1) while SGLang's server sets 0. Matched since; 11/11 at TP 1 and to a
+then ran NCCL with NCCL_CUMEM_ENABLE unset (1) while SGLang's server sets 0. Matched since; 11/11 to a TP 2
 server of two 'nodes', docs/RESULTS.md sec. 27e.)
 """
 from __future__ import annotations

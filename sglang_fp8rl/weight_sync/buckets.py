@@ -1,6 +1,7 @@
-"""A trainer's payload in buckets: (name, tensor) pairs from a state_dict, cut into consecutive groups of a byte
-budget, each of one device, a pre-quantized weight always with its scale; and a bucket as SGLang's flattened bucket
-(one buffer, so one CUDA IPC handle). Trainer side: imports SGLang only to build a flattened bucket."""
+"""A trainer's payload in buckets: (name, tensor) pairs from a state_dict, grouped within a byte budget, each bucket
+of one device and in the payload's order within it, a pre-quantized weight always with its scale; and a bucket as
+SGLang's flattened bucket (one buffer, so one CUDA IPC handle). Trainer side: imports SGLang only to build a
+flattened bucket."""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ def is_scale_name(name: object) -> bool:
     """Whether ``name`` is a pre-quantized weight's scale (``<...>.weight_scale_inv``)."""
     return isinstance(name, str) and name.endswith(".weight" + SCALE_SUFFIX)
 
+
 # marks in the engine's answers: the engine's notes (a refusal, a validation, a step ended incomplete) start with
 # ANSWER_MARK (the client logs a session's begin answer that carries one: what the engine dropped of a step left open);
 # every answer given while the engine is inconsistent holds INCONSISTENT_MARK (the HTTP process reads it:
