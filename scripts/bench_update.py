@@ -48,6 +48,7 @@ usage (GPU machine, after `source scripts/gpu/env.sh`):
   python3 scripts/bench_update.py --model-dir ... --out ... --model qwen3-small                         (fast)
   python3 scripts/bench_update.py --model-dir ... --out ... --model qwen3-30b-a3b --tp-size 2 --paths tensor broadcast
   python3 scripts/bench_update.py --model-dir m --out o --model qwen3-30b-a3b --tp-size 4 --gpus 4 --dry-run   (CPU)
+  python3 scripts/bench_update.py ... --paths flattened --bucket-mb 2048 --profile-buckets 1   (+ a profiled push)
 Writes OUT/update_results.json (after every step) and OUT/summary.md; prints the table and the target lines.
 """
 from __future__ import annotations
@@ -86,6 +87,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--mem", type=float, default=0.5, help="--mem-fraction-static of the servers (default 0.5)")
     p.add_argument("--port", type=int, default=30020)
     p.add_argument("--poll-ms", type=float, default=5.0, help="memory sampling period (default 5 ms)")
+    p.add_argument("--profile-buckets", type=int, default=0,
+                   help="after --profile-path's timed pushes, push this many buckets under SGLang's profiler on each "
+                        "engine and report where the time goes per tensor (scripts/update_bench_profile.py; 0: off)")
+    p.add_argument("--profile-path", default="flattened", choices=["tensor", "flattened"])
     update_scaleout.add_args(p)
     return p.parse_args(argv)
 

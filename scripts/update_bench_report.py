@@ -9,6 +9,7 @@ import math
 from typing import Any, Optional
 
 import update_scaleout
+from update_bench_profile import format_profile
 
 GB = 1e9
 PATHS = update_scaleout.PATHS
@@ -193,6 +194,10 @@ def render(res: dict) -> str:
                          "their dry-run placement (grouped quantizer launches), the rest through load_weights")
     for t in res.get("targets", []):
         lines.append(f"- {t}")
+    for eng in ("bf16", "fp8"):
+        for key, rec in (res.get("engines", {}).get(eng) or {}).items():
+            if key.startswith("profile_") and isinstance(rec, dict):
+                lines += ["", *format_profile(eng, key[len("profile_"):], rec)]
     for note in res.get("notes", []):
         lines.append(f"- note: {note}")
     return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+import update_bench_profile
 import update_scaleout
 from update_bench_report import (
     GB,
@@ -213,6 +214,7 @@ class Bench:
             # atomic=False: a BF16 server does not know the validate-only format of the atomic step
             e["tensor"] = self.run_path(eng, "tensor", lambda: push(sd, False), phase_end)
             e["flattened"] = self.run_path(eng, "flattened", lambda: push(sd, False, True), phase_end)
+            update_bench_profile.attach(self, eng, e, url, sd, phase_end)
             if eng == "fp8":
                 self.fp8_paths(e, url, sd, push, phase_end)
             update_scaleout.broadcast_path(self, eng, e, url, sd, phase_end, fp8rl_info, sum_bucket_stats)

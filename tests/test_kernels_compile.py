@@ -49,3 +49,30 @@ def test_grouped_quantizer_compiles_for_sm90_with_16_byte_accesses(in_kind):
     # (the table's addresses carry no alignment of their own; a hint lost on the way gives 2-byte loads, 1-byte stores)
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
     assert "ld.global.b16" not in ptx and "st.global.b8" not in ptx
+
+
+def test_split_kv_attention_reads_its_cache_pipelined_and_vectorized_for_sm90():
+    """The decode-attention kernel as a served call specializes it (scripts/kernel_ptx.py): the K/V tiles and page
+    slots are asynchronous copies issued ahead of the tile being computed (Triton's software pipeline), never byte
+    loads from global memory; its loop is a few hundred instructions per thread per 128-token tile (docs/RESULTS.md
+    28f reads it). A change that loses the pipelining or the vector loads fails here, before any GPU run."""
+    import kernel_ptx
+
+    asm = kernel_ptx.compile_split_kernel()
+    rep = kernel_ptx.report(asm, warps=4, block_n=128)
+    assert rep["async_copies_in_ttgir"] >= 3  # page slots, K and V (prologue and loop)
+    assert "cp.async.cg.shared.global" in asm["ptx"]  # 16-byte asynchronous copies of the cache
+    assert rep["byte_global_loads"] == 0
+    assert 100 < rep["loop_instructions_per_thread"] < 5000
+    ops = dict(rep["top_opcodes"])
+    assert any(op.startswith("mma.sync") or op.startswith("wgmma") for op in ops)
+
+
+def test_kernel_ptx_finds_the_loop_of_a_listing():
+    import kernel_ptx
+
+    ptx = "\n".join(["entry:", "$L__BB0_1:", "\t.loc 1 2 3", "\tadd.s32 %r1, %r1, 1;",
+                     "\t@%p1 ld.shared.b8 %rs1, [%r2];", "\t{", "\tcvt.rn.f16x2.e4m3x2 %r3, %rs1;", "\t}",
+                     "\t@%p2 bra \t$L__BB0_1;", "\tret;"])
+    body = kernel_ptx.loop_body(ptx)
+    assert [kernel_ptx.opcode(x) for x in body] == ["add.s32", "ld.shared.b8", "cvt.rn.f16x2.e4m3x2", "bra"]

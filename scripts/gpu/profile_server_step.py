@@ -107,17 +107,8 @@ def wait_for_full_batch(log_path: str, offset: int, batch: int, min_steps: int, 
 
 def wait_for_trace(prof_dir: str, log_path: str, offset: int, timeout_s: float) -> Optional[str]:
     """The trace file once the log says 'Profiling done' (or its size held for 10 s); None after timeout_s."""
-    end, last, stable_since = time.time() + timeout_s, None, time.time()
-    while time.time() < end:
-        files = sorted(glob.glob(os.path.join(prof_dir, "*.trace.json*")), key=os.path.getmtime)
-        if files:
-            size = os.path.getsize(files[-1])
-            stable_since = stable_since if size == last else time.time()
-            last = size
-            if PROFILE_DONE in read_from(log_path, offset) or time.time() - stable_since >= 10:
-                return files[-1]
-        time.sleep(0.5)
-    return None
+    return server_io.settled_file(os.path.join(prof_dir, "*.trace.json*"), timeout_s, 10.0,
+                                  lambda: PROFILE_DONE in read_from(log_path, offset))
 
 
 # ----------------------------------------------------------------------------------------------------------------

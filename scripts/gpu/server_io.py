@@ -4,13 +4,14 @@ outputs with logprobs, the plugin's telemetry, raw update requests, and a thread
 from __future__ import annotations
 
 import functools
+import glob
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import requests
 
@@ -258,3 +259,20 @@ class Traffic:
     def completed_between(self, t0: float, t1: float) -> int:
         """Good requests that finished inside [t0, t1]."""
         return sum(t0 <= t <= t1 for t in self.done)
+
+
+def settled_file(pattern: str, timeout_s: float, settle_s: float = 10.0,
+                 done: Optional[Callable[[], bool]] = None) -> Optional[str]:
+    """The newest file matching ``pattern`` once ``done()`` says so or its size has held for settle_s; None after
+    timeout_s (a profiler's trace, written some time after the request that ends it)."""
+    end, last, since = time.time() + timeout_s, None, time.time()
+    while time.time() < end:
+        files = sorted(glob.glob(pattern), key=os.path.getmtime)
+        if files:
+            size = os.path.getsize(files[-1])
+            since = since if size == last else time.time()
+            last = size
+            if (done is not None and done()) or time.time() - since >= settle_s:
+                return files[-1]
+        time.sleep(0.5)
+    return None

@@ -24,7 +24,9 @@ TB/s (docs/RESULTS.md sec. 21a), so half the bytes bought 1.1-1.3x. This kernel 
   the benchmark's baseline. In a served step the plan launch costs 2.6 us a layer (sec. 27b).
 
 K, V and the query are widened to FP16 in registers (E4M3 -> FP16 is exact); the scores and the weighted sum use FP16
-MMAs with float32 accumulation, P rounded to FP16 (FA3's FP8 path rounds it to E4M3).
+MMAs with float32 accumulation, P rounded to FP16 (FA3's FP8 path rounds it to E4M3). That widening is most of the
+loop's instructions (V is unpacked byte by byte as the transposed MMA operand): ``scripts/kernel_ptx.py`` reads the
+compiled loop, and docs/RESULTS.md sec. 28f why it bounds the kernel at about half the copy bandwidth.
 """
 
 from __future__ import annotations

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""The split-KV decode-attention kernel compiled for Hopper (sm90) on a machine without a GPU: what its main loop
+issues per 128-token tile, read from the PTX.
+
+The arguments get the specializations Triton's launcher gives a served call (pointers and the strides of a page-size-1
+cache, 1024 bytes a token, divisible by 16), so the code is the one a GPU runs up to the Triton version. Printed: the
+shared memory, whether the cache reads are asynchronous copies (software-pipelined) and vectorized, and the
+instruction mix of the loop (per thread and per tile). A kernel bound by bandwidth needs few instructions per byte;
+this is how many it has.
+
+  python scripts/kernel_ptx.py [--block-n 128] [--warps 4] [--stages 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import sys
+from typing import Optional
+
+import _paths  # noqa: F401  (the checkout on sys.path)
+
+# launcher specialization: the integer arguments a served page-size-1 call passes as multiples of 16
+_DIVISIBLE = ("stride_q_tok", "stride_q_head", "stride_k_page", "stride_k_head", "stride_v_page", "stride_v_head",
+              "stride_pt", "num_heads")
+_POINTER_TYPES = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "page_table_ptr": "*i32",
+                  "seqlens_ptr": "*i32", "plan_ptr": "*i32"}
+
+
+def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, group: int = 4) -> dict:
+    """The split kernel's sm90 TTGIR / PTX and shared memory, as the default served call specializes it."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sglang_fp8rl.kernels import fp8_decode_attention as FDA
+
+    kernel = FDA._decode_attn_split_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    constexprs = dict(PAGE_SIZE=1, GROUP=group, BLOCK_H=max(FDA.MIN_BLOCK_H, group), HEAD_DIM=128, BLOCK_N=block_n,
+                      BLOCK_B=8, MAX_SPLITS=FDA.MAX_SPLITS, FINE=FDA.FINE, PREPLAN=True)
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = _POINTER_TYPES.get(name, "*fp32")
+        else:
+            signature[name] = "fp32" if name == "scale_log2" else "i32"
+    aligned = [n for n in names if n.endswith("_ptr") or n in _DIVISIBLE]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return {"ttgir": compiled.asm["ttgir"], "ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}
+
+
+def loop_body(ptx: str) -> list[str]:
+    """The instructions of the PTX's longest backward-branching block (the main loop); labels, braces, comments and
+    directives (.loc) left out."""
+    lines = ptx.split("\n")
+    labels = {ln.split(":")[0]: i for i, ln in enumerate(lines) if re.match(r"^\$L__BB\d+_\d+:", ln)}
+    best: list[str] = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+)", ln)
+        if m and labels.get(m.group(1), i) < i:
+            body = [x.strip() for x in lines[labels[m.group(1)]:i + 1]]
+            body = [x for x in body if x and not x.startswith(("//", "$", ".")) and x not in "{}"]
+            best = max(best, body, key=len)
+    return best
+
+
+def opcode(instruction: str) -> str:
+    """'ld.shared.b8 ...' -> 'ld.shared.b8'; a predicate guard (@%p1) is skipped."""
+    parts = instruction.split()
+    if parts and parts[0].startswith("@"):
+        parts = parts[1:]
+    return parts[0].rstrip(";") if parts else ""
+
+
+def report(asm: dict, warps: int, block_n: int) -> dict:
+    """Shared memory, pipelining and the loop's instruction mix."""
+    body = loop_body(asm["ptx"])
+    ops = collections.Counter(opcode(x) for x in body)
+    return {"shared_bytes": asm["shared"], "async_copies_in_ttgir": asm["ttgir"].count("async_copy_global_to_local"),
+            "byte_global_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.b8\b", asm["ptx"])),
+            "loop_instructions_per_thread": len(body), "loop_warp_instructions_per_tile": len(body) * warps,
+            "tile_tokens": block_n, "top_opcodes": ops.most_common(12)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--block-n", type=int, default=128)
+    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--stages", type=int, default=3)
+    a = p.parse_args(argv)
+    print(json.dumps(report(compile_split_kernel(a.block_n, a.warps, a.stages), a.warps, a.block_n), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
