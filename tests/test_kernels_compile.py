@@ -52,27 +52,48 @@ def test_grouped_quantizer_compiles_for_sm90_with_16_byte_accesses(in_kind):
 
 
 def test_split_kv_attention_reads_its_cache_pipelined_and_vectorized_for_sm90():
-    """The decode-attention kernel as a served call specializes it (scripts/kernel_ptx.py): the K/V tiles and page
+    """The decode-attention kernel as a served call specializes it (scripts/kernel_asm.py): the K/V tiles and page
     slots are asynchronous copies issued ahead of the tile being computed (Triton's software pipeline), never byte
-    loads from global memory; its loop is a few hundred instructions per thread per 128-token tile (docs/RESULTS.md
-    28f reads it). A change that loses the pipelining or the vector loads fails here, before any GPU run."""
-    import kernel_ptx
+    loads from global memory; its loop is about a thousand SASS instructions per thread per 128-token tile
+    (docs/RESULTS.md 28f reads it). A change that loses the pipelining or the vector loads fails here, before any GPU
+    run."""
+    import kernel_asm
 
-    asm = kernel_ptx.compile_split_kernel()
-    rep = kernel_ptx.report(asm, warps=4, block_n=128)
+    asm = kernel_asm.compile_split_kernel()
+    rep = kernel_asm.report(asm, warps=4, block_n=128)
     assert rep["async_copies_in_ttgir"] >= 3  # page slots, K and V (prologue and loop)
     assert "cp.async.cg.shared.global" in asm["ptx"]  # 16-byte asynchronous copies of the cache
     assert rep["byte_global_loads"] == 0
     assert 100 < rep["loop_instructions_per_thread"] < 5000
     ops = dict(rep["top_opcodes"])
-    assert any(op.startswith("mma.sync") or op.startswith("wgmma") for op in ops)
+    assert "HMMA.16816.F32" in ops  # FP16 MMAs (mma.sync) on K and V widened in registers
 
 
-def test_kernel_ptx_finds_the_loop_of_a_listing():
-    import kernel_ptx
+def test_swap_ab_runs_both_products_on_warpgroup_mmas_with_fewer_instructions():
+    """SWAP_AB (the tokens on the MMA's M side): the scores on E4M3 warpgroup MMAs (QGMMA), the weighted sum on FP16
+    ones (HGMMA), no byte loads from shared memory, and fewer instructions a tile than the default: the reason the
+    variant exists (docs/RESULTS.md 28f); whether that makes it faster is for the GPU benchmark."""
+    import collections
 
-    ptx = "\n".join(["entry:", "$L__BB0_1:", "\t.loc 1 2 3", "\tadd.s32 %r1, %r1, 1;",
-                     "\t@%p1 ld.shared.b8 %rs1, [%r2];", "\t{", "\tcvt.rn.f16x2.e4m3x2 %r3, %rs1;", "\t}",
-                     "\t@%p2 bra \t$L__BB0_1;", "\tret;"])
-    body = kernel_ptx.loop_body(ptx)
-    assert [kernel_ptx.opcode(x) for x in body] == ["add.s32", "ld.shared.b8", "cvt.rn.f16x2.e4m3x2", "bra"]
+    import kernel_asm
+
+    counts = {}
+    for swap in (False, True):
+        asm = kernel_asm.compile_split_kernel(swap_ab=swap)
+        body = kernel_asm.loop_body(kernel_asm.sass_of(asm["cubin"]))
+        counts[swap] = (len(body), collections.Counter(kernel_asm.opcode(x) for x in body))
+    ops = counts[True][1]
+    assert any(op.startswith("QGMMA") and "E4M3.E4M3" in op for op in ops)
+    assert any(op.startswith("HGMMA") for op in ops)
+    assert "LDS.U8" not in ops and "LDS.U8" in counts[False][1]
+    assert counts[True][0] < 0.9 * counts[False][0], (counts[True][0], counts[False][0])
+
+
+def test_kernel_asm_finds_the_loop_of_a_listing():
+    import kernel_asm
+
+    sass = "\n".join(["Function:k", "--:-:1:-:1\tLDC R1, c[0x0][0x28];", "LBB0:", "--:-:-:-:1\tIADD3 R1, R1, 1, RZ;",
+                      "--:-:2:-:1\t@P1 LDS.U8 R2, [R3];", "LBB1:", "02:-:-:-:1\tF2FP.F16.E4M3.UNPACK_B R4, R2;",
+                      "--:-:-:-:5\t@!P0 BRA LBB1;", "--:-:-:-:5\t@!P2 BRA LBB0;", "--:-:-:-:5\tEXIT;"])
+    body = kernel_asm.loop_body(sass)  # the longer of the two loops, the inner one nested in it
+    assert [kernel_asm.opcode(x) for x in body] == ["IADD3", "LDS.U8", "F2FP.F16.E4M3.UNPACK_B", "BRA", "BRA"]

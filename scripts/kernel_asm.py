@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """The split-KV decode-attention kernel compiled for Hopper (sm90) on a machine without a GPU: what its main loop
-issues per 128-token tile, read from the PTX.
+issues per 128-token tile, read from the PTX and from the SASS (the machine code, disassembled with the nvdisasm
+Triton ships).
 
 The arguments get the specializations Triton's launcher gives a served call (pointers and the strides of a page-size-1
-cache, 1024 bytes a token, divisible by 16), so the code is the one a GPU runs up to the Triton version. Printed: the
+cache, 1024 bytes a token, divisible by 16), so the code is the one a GPU runs, up to the Triton version. Printed: the
 shared memory, whether the cache reads are asynchronous copies (software-pipelined) and vectorized, and the
-instruction mix of the loop (per thread and per tile). A kernel bound by bandwidth needs few instructions per byte;
-this is how many it has.
+instruction mix of the loop in SASS (per thread, and per tile for all warps). A kernel bound by bandwidth needs few
+instructions per byte; this is how many it has (docs/RESULTS.md 28f).
 
-  python scripts/kernel_ptx.py [--block-n 128] [--warps 4] [--stages 3]
+  python scripts/kernel_asm.py [--block-n 128] [--warps 4] [--stages 3] [--swap-ab]
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ _POINTER_TYPES = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv",
                   "seqlens_ptr": "*i32", "plan_ptr": "*i32"}
 
 
-def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, group: int = 4) -> dict:
-    """The split kernel's sm90 TTGIR / PTX and shared memory, as the default served call specializes it."""
+def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, group: int = 4,
+                         swap_ab: bool = False) -> dict:
+    """The split kernel's sm90 TTGIR, PTX, cubin and shared memory, as the default served call specializes it."""
     import inspect
 
     import triton
@@ -42,7 +44,7 @@ def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, gr
     kernel = FDA._decode_attn_split_kernel
     names = list(inspect.signature(kernel.fn).parameters)
     constexprs = dict(PAGE_SIZE=1, GROUP=group, BLOCK_H=max(FDA.MIN_BLOCK_H, group), HEAD_DIM=128, BLOCK_N=block_n,
-                      BLOCK_B=8, MAX_SPLITS=FDA.MAX_SPLITS, FINE=FDA.FINE, PREPLAN=True)
+                      BLOCK_B=8, MAX_SPLITS=FDA.MAX_SPLITS, FINE=FDA.FINE, PREPLAN=True, SWAP_AB=swap_ab)
     signature = {}
     for name in names:
         if name in constexprs:
@@ -55,26 +57,33 @@ def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, gr
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    return {"ttgir": compiled.asm["ttgir"], "ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}
+    return {"ttgir": compiled.asm["ttgir"], "ptx": compiled.asm["ptx"], "cubin": compiled.asm["cubin"],
+            "shared": compiled.metadata.shared}
 
 
-def loop_body(ptx: str) -> list[str]:
-    """The instructions of the PTX's longest backward-branching block (the main loop); labels, braces, comments and
-    directives (.loc) left out."""
-    lines = ptx.split("\n")
-    labels = {ln.split(":")[0]: i for i, ln in enumerate(lines) if re.match(r"^\$L__BB\d+_\d+:", ln)}
+def sass_of(cubin: bytes) -> str:
+    """The cubin disassembled (Triton's nvdisasm wrapper): one line per instruction, control codes first."""
+    from triton.tools.disasm import get_sass
+
+    return get_sass(cubin)
+
+
+def loop_body(sass: str) -> list[str]:
+    """The instructions (without predicate guards) of the longest block that a branch jumps back to: the main loop.
+    Triton's SASS listing labels blocks ``LBBn:`` and writes each instruction after a tab (its control codes before)."""
+    lines = sass.split("\n")
+    labels = {ln.rstrip(":"): i for i, ln in enumerate(lines) if re.match(r"^LBB\d+:$", ln.strip())}
     best: list[str] = []
     for i, ln in enumerate(lines):
-        m = re.search(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+)", ln)
+        m = re.search(r"\bBRA\s+(LBB\d+)", ln)
         if m and labels.get(m.group(1), i) < i:
-            body = [x.strip() for x in lines[labels[m.group(1)]:i + 1]]
-            body = [x for x in body if x and not x.startswith(("//", "$", ".")) and x not in "{}"]
-            best = max(best, body, key=len)
+            body = [x.split("\t", 1)[-1].strip() for x in lines[labels[m.group(1)] + 1:i + 1] if "\t" in x]
+            best = max(best, [x for x in body if x], key=len)
     return best
 
 
 def opcode(instruction: str) -> str:
-    """'ld.shared.b8 ...' -> 'ld.shared.b8'; a predicate guard (@%p1) is skipped."""
+    """'@!P0 LDS.U8 R1, [R2];' -> 'LDS.U8' (the predicate guard skipped)."""
     parts = instruction.split()
     if parts and parts[0].startswith("@"):
         parts = parts[1:]
@@ -82,13 +91,13 @@ def opcode(instruction: str) -> str:
 
 
 def report(asm: dict, warps: int, block_n: int) -> dict:
-    """Shared memory, pipelining and the loop's instruction mix."""
-    body = loop_body(asm["ptx"])
+    """Shared memory, pipelining (TTGIR, PTX) and the SASS loop's instruction mix."""
+    body = loop_body(sass_of(asm["cubin"]))
     ops = collections.Counter(opcode(x) for x in body)
     return {"shared_bytes": asm["shared"], "async_copies_in_ttgir": asm["ttgir"].count("async_copy_global_to_local"),
             "byte_global_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.b8\b", asm["ptx"])),
             "loop_instructions_per_thread": len(body), "loop_warp_instructions_per_tile": len(body) * warps,
-            "tile_tokens": block_n, "top_opcodes": ops.most_common(12)}
+            "tile_tokens": block_n, "top_opcodes": ops.most_common(14)}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -96,8 +105,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--block-n", type=int, default=128)
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--swap-ab", action="store_true", help="the kernel's SWAP_AB variant (both products on wgmma)")
     a = p.parse_args(argv)
-    print(json.dumps(report(compile_split_kernel(a.block_n, a.warps, a.stages), a.warps, a.block_n), indent=1))
+    asm = compile_split_kernel(a.block_n, a.warps, a.stages, swap_ab=a.swap_ab)
+    print(json.dumps(report(asm, a.warps, a.block_n), indent=1))
     return 0
 
 
