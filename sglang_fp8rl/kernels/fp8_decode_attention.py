@@ -66,7 +66,7 @@ PLAN_BLOCK_P = 64  # split-launch programs one program of the plan launch descri
 # mean over the tiles) at each of its 13 cells; at the default tile 1 x 12288 took 19.3 us instead of 23.5
 PREPLAN = True
 # the step's tokens on the MMA's M side (S^T = K q^T, O^T = V^T P^T), so that both products run on Hopper's warpgroup
-# MMA with K read as E4M3 (the query cast to E4M3, as SGLang casts it for FA3): compiled for sm90 its loop has 21 %
+# MMA with K read as E4M3 (the query cast to E4M3, as SGLang casts it for FA3): compiled for sm90 its loop has 22 %
 # fewer instructions a tile than the default's (docs/RESULTS.md sec. 28f); not the default until a GPU measures it
 SWAP_AB = False
 # what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
