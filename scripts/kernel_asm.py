@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import re
 import sys
@@ -30,6 +31,7 @@ _POINTER_TYPES = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv",
                   "seqlens_ptr": "*i32", "plan_ptr": "*i32"}
 
 
+@functools.cache  # a compile takes seconds; the tests ask for the same forms twice
 def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, group: int = 4,
                          swap_ab: bool = False) -> dict:
     """The split kernel's sm90 TTGIR, PTX, cubin and shared memory, as the default served call specializes it."""

@@ -75,8 +75,8 @@ def profile_push(url: str, weights: dict, bucket_bytes: int, flatten: bool, n_bu
     """The first n_buckets buckets of ``weights`` pushed under the profiler; :func:`summarize` of rank 0's trace."""
     import requests
     from kernel_trace import load_trace
+    from update_bench_server import push_one_bucket
 
-    from sglang_fp8rl.trainer import push_state_dict
     from sglang_fp8rl.weight_sync.buckets import buckets
 
     os.makedirs(prof_dir, exist_ok=True)
@@ -89,7 +89,7 @@ def profile_push(url: str, weights: dict, bucket_bytes: int, flatten: bool, n_bu
     t0 = time.time()
     try:
         for bucket in chosen:
-            push_state_dict(url, bucket, bucket_bytes=1 << 62, atomic=False, complete=not flatten, flatten=flatten)
+            push_one_bucket(url, bucket, flatten)
     finally:
         wall = time.time() - t0
         requests.post(url + "/stop_profile", timeout=timeout_s)

@@ -31,6 +31,7 @@ from update_bench_server import (
     generate_ids,
     launch,
     measure_d2d_copy,
+    push_one_bucket,
     save_payload,
     say,
     stop,
@@ -118,13 +119,11 @@ class Bench:
     def telemetry_push(self, url: str, weights: dict, flatten: bool = False) -> Optional[dict]:
         """One extra push bucket by bucket (atomic=False; flattened buckets with ``flatten``), reading last_update
         after each (FP8 engine only)."""
-        from sglang_fp8rl.trainer import push_state_dict
         from sglang_fp8rl.weight_sync.buckets import buckets
 
         per = []
         for bucket in buckets(weights, self.args.bucket_mb << 20):
-            # flattened: no step-complete marker, which would travel in a request of its own and be last_update
-            push_state_dict(url, bucket, bucket_bytes=1 << 62, atomic=False, complete=not flatten, flatten=flatten)
+            push_one_bucket(url, bucket, flatten)
             last = fp8rl_info(url).get("last_update")
             if last is None:
                 return None

@@ -172,6 +172,15 @@ def save_payload(sd: dict, model_src: str, w1_dir: str, box: dict) -> None:
         box["error"] = f"{type(e).__name__}: {e}"
 
 
+def push_one_bucket(url: str, bucket: dict, flatten: bool) -> None:
+    """One bucket as its own request (``atomic=False``; flattened with ``flatten``), as the telemetry and profiled
+    pushes send it: a flattened bucket carries no step-complete marker, which would travel in a request of its own
+    and be what last_update reports."""
+    from sglang_fp8rl.trainer import push_state_dict
+
+    push_state_dict(url, bucket, bucket_bytes=1 << 62, atomic=False, complete=not flatten, flatten=flatten)
+
+
 def validate_only_push(url: str, weights: dict, bucket_bytes: int) -> int:
     """The first phase of an atomic step alone: every bucket sent with load_format "fp8rl.validate" (the engine
     validates and writes nothing); returns the number of buckets. Raises WeightPushError on a refusal."""
