@@ -20,7 +20,6 @@ Configs (--configs, run in the order given):
   fp8_kv_fa3     fp8_kv + --fp8rl-decode-attention fa3 (FlashAttention-3's FP8 decode at every batch size)
   fp8_kv_splitkv fp8_kv + --fp8rl-decode-attention split_kv (the plugin's split-KV decode at every batch size; fp8_kv,
                  the default auto, takes it up to 8 sequences and FA3 above)
-  fp8_kv_swap    fp8_kv + --fp8rl-split-kv-form swap_ab (the split-KV kernel's SWAP_AB loop where auto takes it)
   fp8_kv_triton  fp8_kv + --attention-backend triton
   fp8_kv_flashinfer  fp8_kv + --attention-backend flashinfer (its first start JIT-compiles FlashInfer's kernels)
 The ratios' baseline is the faster (smaller makespan, all requests done) of bf16 and bf16_graphs512 among the configs
@@ -105,7 +104,6 @@ CONFIGS: dict[str, list[str]] = {
     "fp8_kv": [*BRC._ONLINE, *BRC._FP8_KV],
     "fp8_kv_fa3": [*BRC._ONLINE, *BRC._FP8_KV, BRC.DECODE_ATTENTION_FLAG, "fa3"],
     "fp8_kv_splitkv": [*BRC._ONLINE, *BRC._FP8_KV, BRC.DECODE_ATTENTION_FLAG, "split_kv"],
-    "fp8_kv_swap": [*BRC._ONLINE, *BRC._FP8_KV, "--fp8rl-split-kv-form", "swap_ab"],
     "fp8_kv_triton": [*BRC._ONLINE, *BRC._FP8_KV, "--attention-backend", "triton"],
     "fp8_kv_flashinfer": [*BRC._ONLINE, *BRC._FP8_KV, "--attention-backend", "flashinfer"],
 }

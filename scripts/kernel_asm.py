@@ -9,7 +9,7 @@ shared memory, whether the cache reads are asynchronous copies (software-pipelin
 instruction mix of the loop in SASS (per thread, and per tile for all warps). A kernel bound by bandwidth needs few
 instructions per byte; this is how many it has (docs/RESULTS.md 28f).
 
-  python scripts/kernel_asm.py [--block-n 128] [--warps 4] [--stages 3] [--swap-ab]
+  python scripts/kernel_asm.py [--block-n 128] [--warps 4] [--stages 3]
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ _POINTER_TYPES = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv",
                   "seqlens_ptr": "*i32", "plan_ptr": "*i32"}
 
 
-@functools.cache  # a compile takes seconds; the tests ask for the same forms twice
-def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, group: int = 4,
-                         swap_ab: bool = False) -> dict:
+@functools.cache  # a compile takes seconds: once per configuration and process
+def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, group: int = 4) -> dict:
     """The split kernel's sm90 TTGIR, PTX, cubin and shared memory, as the default served call specializes it."""
     import inspect
 
@@ -46,7 +45,7 @@ def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, gr
     kernel = FDA._decode_attn_split_kernel
     names = list(inspect.signature(kernel.fn).parameters)
     constexprs = dict(PAGE_SIZE=1, GROUP=group, BLOCK_H=max(FDA.MIN_BLOCK_H, group), HEAD_DIM=128, BLOCK_N=block_n,
-                      BLOCK_B=8, MAX_SPLITS=FDA.MAX_SPLITS, FINE=FDA.FINE, PREPLAN=True, SWAP_AB=swap_ab)
+                      BLOCK_B=8, MAX_SPLITS=FDA.MAX_SPLITS, FINE=FDA.FINE, PREPLAN=True)
     signature = {}
     for name in names:
         if name in constexprs:
@@ -107,9 +106,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--block-n", type=int, default=128)
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
-    p.add_argument("--swap-ab", action="store_true", help="the kernel's SWAP_AB variant (both products on wgmma)")
     a = p.parse_args(argv)
-    asm = compile_split_kernel(a.block_n, a.warps, a.stages, swap_ab=a.swap_ab)
+    asm = compile_split_kernel(a.block_n, a.warps, a.stages)
     print(json.dumps(report(asm, a.warps, a.block_n), indent=1))
     return 0
 

@@ -15,7 +15,6 @@ import os
 import re
 from typing import Any, Sequence
 
-from sglang_fp8rl.kernels.attention_select import FORMS as SPLIT_KV_FORMS
 from sglang_fp8rl.kernels.attention_select import MODES as DECODE_ATTENTION_MODES
 from sglang_fp8rl.kernels.deepgemm import PRECOMPILE_ENV as DEEPGEMM_PRECOMPILE_ENV
 from sglang_fp8rl.kernels.gemm_select import DEFAULT_BUDGET_S as DEFAULT_GEMM_TUNE_BUDGET_S
@@ -46,7 +45,6 @@ class Fp8rlOptions:
     kv_calibration: str = ""
     kv_write: str = "fused"
     decode_attention: str = "auto"
-    split_kv_form: str = "standard"
 
     def __post_init__(self) -> None:
         for name in ("bf16_first_layers", "bf16_last_layers"):
@@ -70,8 +68,6 @@ class Fp8rlOptions:
         if self.decode_attention not in DECODE_ATTENTION_MODES:
             raise ValueError(f"--fp8rl-decode-attention must be one of {DECODE_ATTENTION_MODES}, "
                              f"got {self.decode_attention!r}")
-        if self.split_kv_form not in SPLIT_KV_FORMS:
-            raise ValueError(f"--fp8rl-split-kv-form must be one of {SPLIT_KV_FORMS}, got {self.split_kv_form!r}")
         if not isinstance(self.kv_calibration, str):
             raise ValueError(f"--fp8rl-kv-calibration must be a path, got {self.kv_calibration!r}")
         object.__setattr__(self, "ignore", tuple(self.ignore))
@@ -190,12 +186,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Decode attention over an FP8 E4M3 KV cache on the FlashAttention-3 backend: auto / split_kv = this "
              "package's split-KV kernel for plain one-token decode calls (FA3 for every other call), fa3 = "
              "FlashAttention-3 for all. split_kv refuses to start where the decode backend is not FA3.",
-    )
-    group.add_argument(
-        _flag("split_kv_form"), choices=SPLIT_KV_FORMS, default=d.split_kv_form,
-        help="The split-KV kernel's loop: standard (default) = K and V widened to FP16 for FP16 MMAs; swap_ab = the "
-             "tokens on the MMA's M side, the scores on an E4M3 warpgroup MMA (fewer instructions a tile; not "
-             "measured on a GPU yet).",
     )
 
 

@@ -127,7 +127,7 @@ def test_a_kernel_that_does_not_build_sends_this_call_and_every_later_one_to_fa3
 
     tried = []
 
-    def unbuildable(kwargs, form):
+    def unbuildable(kwargs):
         tried.append(kwargs)
         raise OutOfResources(232448, 101376, "shared memory")
 
@@ -176,15 +176,15 @@ KERNEL_THROUGH_DISPATCHER = textwrap.dedent(
     def fa3(*args, **kwargs):
         raise AssertionError("a plain FP8 decode call reached FA3")
 
-    for mode, form in (("auto", "standard"), ("split_kv", "standard"), ("auto", "swap_ab")):
+    for mode in ("auto", "split_kv"):
         case = paged_case(5, 3, 2, 4, 128, 1, [70, 1, 300], scalar_descale=True)
         ref, vmax = reference(case)
         out = torch.full(case["q"].shape, float("nan"), dtype=torch.bfloat16)  # SGLang's _attn_output view
-        assert dispatching(fa3, mode, form)(**fa3_decode_kwargs(case, out=out)) is out
-        fresh = dispatching(fa3, mode, form)(**fa3_decode_kwargs(case))
+        assert dispatching(fa3, mode)(**fa3_decode_kwargs(case, out=out)) is out
+        fresh = dispatching(fa3, mode)(**fa3_decode_kwargs(case))
         assert torch.equal(fresh, out) and fresh.dtype == torch.bfloat16
         tol = ROW_TOLERANCE * vmax + 2**-7 * (ref.abs() + ROW_TOLERANCE * vmax)  # one BF16 ulp (truncated)
-        assert ((out.double() - ref).abs() <= tol).all(), (mode, form)
+        assert ((out.double() - ref).abs() <= tol).all(), mode
     print("dispatcher kernel ok")
     """
 )
@@ -282,24 +282,7 @@ def test_install_on_another_backend(fa3_module):
             install_decode_attention(runner(backend))
 
 
-def test_the_split_kv_form_reaches_the_kernel(fa3_module, monkeypatch):
-    """--fp8rl-split-kv-form: the installed dispatcher runs the kernel in that form; an unknown form is refused."""
-    ran = []
-    monkeypatch.setattr(sel, "run_split_kv", lambda kwargs, form: ran.append(form) or "kernel")
-    for form in sel.FORMS:
-        set_options(decode_attention="split_kv", split_kv_form=form)
-        assert install_decode_attention(runner(fa3_module.FlashAttentionBackend())) == "installed"
-        assert fa3_module.flash_attn_with_kvcache(**plain()) == "kernel"
-    assert ran == list(sel.FORMS)
-    with pytest.raises(ValueError, match="--fp8rl-split-kv-form must be one of"):
-        sel.dispatching(Recorder(), "auto", "wgmma")
-
-
 def test_the_option():
-    assert parse_args(["--fp8rl-split-kv-form", "swap_ab"]).split_kv_form == "swap_ab"
-    assert parse_args([]).split_kv_form == "standard" == Fp8rlOptions().split_kv_form
-    with pytest.raises(ValueError, match="--fp8rl-split-kv-form must be one of"):
-        Fp8rlOptions(split_kv_form="wgmma")
     assert parse_args(["--fp8rl-decode-attention", "fa3"]).decode_attention == "fa3"
     assert parse_args([]).decode_attention == "auto" == Fp8rlOptions().decode_attention
     with pytest.raises(ValueError, match="--fp8rl-decode-attention must be one of"):

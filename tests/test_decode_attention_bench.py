@@ -69,10 +69,6 @@ def test_sweep_variants_and_none_without_a_sweep():
     # each configuration's four forms (grid x where the plan is made) back to back: a cut sweep still compares them
     assert [(v["fine"], v["preplan"]) for v in quick[:4]] == [(3, False), (3, True), (1, False), (1, True)]
     assert len({v["per_sm"] for v in quick[:4]}) == 1
-    swap = bench().variants(bench().SWAP_SWEEP)
-    assert [v["swap_ab"] for v in swap[:4]] == [False, True, False, True]  # each configuration's two forms in a row
-    assert all({k: x for k, x in a.items() if k != "swap_ab"} == {k: x for k, x in b.items() if k != "swap_ab"}
-               for a, b in zip(swap[::2], swap[1::2]))
 
 
 def test_ragged_cells_and_their_labels():
@@ -87,8 +83,6 @@ def test_ragged_cells_and_their_labels():
     assert bench().work_of({"budget": 33, "fine": 1, "splits": 4}) == "budget 33, fine 1 (4 splits at most)"
     assert bench().work_of({"budget": 33, "fine": 3, "preplan": True, "splits": 4}) == \
         "budget 33, fine 3, preplan (4 splits at most)"
-    assert bench().work_of({"budget": 33, "fine": 3, "preplan": True, "swap_ab": True, "splits": 4}) == \
-        "budget 33, fine 3, preplan, swap_ab (4 splits at most)"
     assert bench().work_of({"splits": 4}) == "4 splits"
 
 

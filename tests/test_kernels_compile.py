@@ -69,26 +69,6 @@ def test_split_kv_attention_reads_its_cache_pipelined_and_vectorized_for_sm90():
     assert "HMMA.16816.F32" in ops  # FP16 MMAs (mma.sync) on K and V widened in registers
 
 
-def test_swap_ab_runs_both_products_on_warpgroup_mmas_with_fewer_instructions():
-    """SWAP_AB (the tokens on the MMA's M side): the scores on E4M3 warpgroup MMAs (QGMMA), the weighted sum on FP16
-    ones (HGMMA), no byte loads from shared memory, and fewer instructions a tile than the default: the reason the
-    variant exists (docs/RESULTS.md 28f); whether that makes it faster is for the GPU benchmark."""
-    import collections
-
-    import kernel_asm
-
-    counts = {}
-    for swap in (False, True):
-        asm = kernel_asm.compile_split_kernel(swap_ab=swap)
-        body = kernel_asm.loop_body(kernel_asm.sass_of(asm["cubin"]))
-        counts[swap] = (len(body), collections.Counter(kernel_asm.opcode(x) for x in body))
-    ops = counts[True][1]
-    assert any(op.startswith("QGMMA") and "E4M3.E4M3" in op for op in ops)
-    assert any(op.startswith("HGMMA") for op in ops)
-    assert "LDS.U8" not in ops and "LDS.U8" in counts[False][1]
-    assert counts[True][0] < 0.9 * counts[False][0], (counts[True][0], counts[False][0])
-
-
 def test_kernel_asm_finds_the_loop_of_a_listing():
     import kernel_asm
 

@@ -18,7 +18,7 @@ the query and the output) and the bandwidth that makes, against the device's cop
 run as the roofline measures it (scripts/decode_roofline.py: 1 GiB, read + write, the best of its timed loops).
 Accuracy: each kernel's output against a float64 reference computed from the same E4M3 query and cache.
 
-  python scripts/gpu/bench_decode_attention.py --out /tmp/attn [--quick | --swap] [--deadline-s 400]
+  python scripts/gpu/bench_decode_attention.py --out /tmp/attn [--quick] [--deadline-s 400]
 """
 from __future__ import annotations
 
@@ -49,10 +49,6 @@ QUICK_CELLS = [(1, 4096), (8, 4096), (32, 4096), (128, 1024)]
 # at 1-8 sequences (a larger grid of idle programs, the plan in every program); RESULTS 26a made preplan the default
 SWEEP = {"block_n": (64, 128), "num_warps": (4,), "num_stages": (2, 3, 4), "per_sm": (1, 2, 3, 4, 6),
          "fine": (FDA.FINE, 1), "preplan": (False, True)}
-# --swap: the default tile against the tokens on the MMA's M side (SWAP_AB: both products on wgmma, RESULTS 28f), each
-# configuration's two forms back to back so that a sweep cut by its deadline still pairs them
-SWAP_SWEEP = {"block_n": (128, 64), "num_warps": (4, 8), "num_stages": (3, 2, 4), "per_sm": (FDA.RESIDENT_PER_SM,),
-              "fine": (FDA.FINE,), "preplan": (True,), "swap_ab": (False, True)}
 QUICK_SWEEP = {"block_n": (128,), "num_warps": (4,), "num_stages": (3,), "per_sm": (1, 2, 4), "fine": (FDA.FINE, 1),
                "preplan": (False, True)}
 RAGGED_SIGMA = 1.0
@@ -151,7 +147,7 @@ def fa3_calls(cell: Cell, fp8: bool):
 def split_kv_call(cell: Cell, cfg: dict, sms: int):
     """The kernel's call on a cell with ``cfg``'s variant, its work budget and its plan's largest split count."""
     budget = FDA.work_budget(KV_HEADS, sms, cfg.get("per_sm", FDA.RESIDENT_PER_SM))
-    kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "fine", "preplan", "swap_ab") if k in cfg}
+    kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "fine", "preplan") if k in cfg}
     splits = max(FDA.plan_splits(cell.lengths, budget, kw.get("block_n", FDA.DEFAULT_BLOCK_N),
                                  kw.get("fine", FDA.FINE)))
 
@@ -228,8 +224,7 @@ def work_of(variant: dict) -> str:
     if "budget" in variant:
         fine = f", fine {variant['fine']}" if "fine" in variant else ""  # runs before these options had none
         preplan = ", preplan" if variant.get("preplan") else ""
-        swap = ", swap_ab" if variant.get("swap_ab") else ""
-        return f"budget {variant['budget']}{fine}{preplan}{swap} ({variant['splits']} splits at most)"
+        return f"budget {variant['budget']}{fine}{preplan} ({variant['splits']} splits at most)"
     return f"{variant['splits']} splits"
 
 
@@ -264,7 +259,6 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="four cells and a small sweep")
     p.add_argument("--deadline-s", type=float, default=400.0, help="stop sweeping after this many seconds")
     p.add_argument("--no-sweep", action="store_true")
-    p.add_argument("--swap", action="store_true", help="sweep SWAP_AB against the default (tiles, warps, stages)")
     p.add_argument("--cells", choices=("all", "equal", "ragged"), default="all",
                    help="equal contexts, ragged ones (lognormal), or both (default)")
     args = p.parse_args()
@@ -286,7 +280,7 @@ def main() -> int:
         pass
     cells = [(b, c, False) for b, c in (QUICK_CELLS if args.quick else CELLS) if args.cells != "ragged"]
     cells += [(b, c, True) for b, c in RAGGED_CELLS if args.cells != "equal"]
-    sweep = {} if args.no_sweep else SWAP_SWEEP if args.swap else QUICK_SWEEP if args.quick else SWEEP
+    sweep = {} if args.no_sweep else (QUICK_SWEEP if args.quick else SWEEP)
     for i, (batch, context, ragged) in enumerate(cells):
         cell_deadline = t0 + args.deadline_s * (i + 1) / len(cells)
         cell = Cell(batch, context, dev, bf16=True, ragged=ragged)

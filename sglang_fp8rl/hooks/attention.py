@@ -40,8 +40,7 @@ def install_decode_attention(runner: Any) -> str:
     """Send the FA3 backend's plain FP8 decode calls to the split-KV kernel, per the option; returns what was done.
 
     Raises ValueError when ``--fp8rl-decode-attention split_kv`` was asked for where it cannot apply."""
-    options = get_options()
-    mode = options.decode_attention
+    mode = get_options().decode_attention
     if mode == FA3 or not_served_here(runner.server_args):
         return "untouched"
     module = fa3_module(runner.attn_backend)
@@ -53,8 +52,7 @@ def install_decode_attention(runner: Any) -> str:
         logger.info("[fp8rl] decode attention: %s's own (the split-KV kernel replaces FlashAttention-3 only)", name)
         return "not fa3"
     # a dispatcher already there (a second install) is replaced, not wrapped: dispatching unwraps it
-    setattr(module, FA3_DECODE_FUNCTION, dispatching(getattr(module, FA3_DECODE_FUNCTION), mode,
-                                                     options.split_kv_form))
-    logger.info("[fp8rl] decode attention: plain FP8-KV decode calls of %s go to the split-KV kernel (%s, %s loop)",
-                module.__name__, mode, options.split_kv_form)
+    setattr(module, FA3_DECODE_FUNCTION, dispatching(getattr(module, FA3_DECODE_FUNCTION), mode))
+    logger.info("[fp8rl] decode attention: plain FP8-KV decode calls of %s go to the split-KV kernel (%s)",
+                module.__name__, mode)
     return "installed"

@@ -21,8 +21,6 @@ logger = logging.getLogger(__name__)
 FA3 = "fa3"
 SPLIT_KV = "split_kv"
 MODES = ("auto", FA3, SPLIT_KV)  # --fp8rl-decode-attention
-SWAP_AB = "swap_ab"
-FORMS = ("standard", SWAP_AB)  # --fp8rl-split-kv-form: the kernel's loop as it is, or with SWAP_AB (RESULTS 28f)
 # auto takes the split-KV kernel up to this many sequences in a decode batch (the captured batch size), FA3 above.
 # Measured (docs/RESULTS.md sec. 23, 24): in the longer-tailed RL rollout its decode steps at 3-8 running were faster
 # than FA3's (H100, work planned from the lengths: 6.98 / 8.08 ms against 8.60 / 8.67 ms) and slower from 33 on
@@ -100,20 +98,17 @@ def choose(mode: str, kwargs: Mapping[str, Any]) -> tuple[str, str]:
     return SPLIT_KV, "plain decode over an E4M3 cache (split_kv)"
 
 
-def run_split_kv(kwargs: Mapping[str, Any], form: str = "standard") -> Any:
+def run_split_kv(kwargs: Mapping[str, Any]) -> Any:
     """The split-KV kernel on an FA3 call's operands (FA3's output layout: [tokens, heads, head_dim])."""
     from sglang_fp8rl.kernels.fp8_decode_attention import fp8_decode_attention
 
     return fp8_decode_attention(kwargs["q"], kwargs["k_cache"], kwargs["v_cache"], kwargs["page_table"],
                                 kwargs["cache_seqlens"], kwargs["softmax_scale"], kwargs["k_descale"],
-                                kwargs["v_descale"], out=kwargs.get("out"), swap_ab=form == SWAP_AB)
+                                kwargs["v_descale"], out=kwargs.get("out"))
 
 
-def dispatching(original: Callable, mode: str, form: str = "standard") -> Callable:
-    """``original`` (FA3's ``flash_attn_with_kvcache``) with plain FP8 decode calls sent to the split-KV kernel (in
-    ``form``, one of FORMS)."""
-    if form not in FORMS:
-        raise ValueError(f"--fp8rl-split-kv-form must be one of {FORMS}, got {form!r}")
+def dispatching(original: Callable, mode: str) -> Callable:
+    """``original`` (FA3's ``flash_attn_with_kvcache``) with plain FP8 decode calls sent to the split-KV kernel."""
     original = original_of(original) or original  # a dispatcher is replaced, never wrapped
     logged: set[tuple[str, str]] = set()
     unbuildable: list[str] = []  # the kernel failed to build here once: FA3 from then on
@@ -135,7 +130,7 @@ def dispatching(original: Callable, mode: str, form: str = "standard") -> Callab
             from sglang_fp8rl.kernels.fp8_decode_attention import BUILD_ERRORS
 
             try:
-                return run_split_kv(kwargs, form)
+                return run_split_kv(kwargs)
             except BUILD_ERRORS as e:  # its outputs are unwritten: FA3 computes this call from the same operands
                 unbuildable.append(f"the split-KV kernel does not build on this GPU: {type(e).__name__}: {e}")
                 logger.warning("[fp8rl] decode attention: FA3 for every call from now on (%s)", unbuildable[0])

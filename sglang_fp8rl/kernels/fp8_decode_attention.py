@@ -26,9 +26,8 @@ TB/s (docs/RESULTS.md sec. 21a), so half the bytes bought 1.1-1.3x. This kernel 
 K, V and the query are widened to FP16 in registers (E4M3 -> FP16 is exact); the scores and the weighted sum use FP16
 MMAs with float32 accumulation, P rounded to FP16 (FA3's FP8 path rounds it to E4M3). That widening is most of the
 loop's instructions (V is unpacked byte by byte as the transposed MMA operand): ``scripts/kernel_asm.py`` reads the
-compiled loop, and docs/RESULTS.md sec. 28f why it bounds the kernel at about half the copy bandwidth. ``SWAP_AB``
-(off by default, not measured on a GPU yet) puts the tile's tokens on the MMA's M side: the scores on an E4M3
-warpgroup MMA (K never widened), the weighted sum on an FP16 one, 22 % fewer instructions a tile.
+compiled loop (docs/RESULTS.md sec. 28f); a form with the tokens on the MMA's M side and 22 % fewer instructions was
+not faster on an H100 (sec. 29a) and was removed.
 """
 
 from __future__ import annotations
@@ -65,10 +64,6 @@ PLAN_BLOCK_P = 64  # split-launch programs one program of the plan launch descri
 # H200 sweep of docs/RESULTS.md sec. 26a, against the same tile and FINE without it, 0.87-1.00x the time (geometric
 # mean over the tiles) at each of its 13 cells; at the default tile 1 x 12288 took 19.3 us instead of 23.5
 PREPLAN = True
-# the step's tokens on the MMA's M side (S^T = K q^T, O^T = V^T P^T), so that both products run on Hopper's warpgroup
-# MMA with K read as E4M3 (the query cast to E4M3, as SGLang casts it for FA3): compiled for sm90 its loop has 22 %
-# fewer instructions a tile than the default's (docs/RESULTS.md sec. 28f); not the default until a GPU measures it
-SWAP_AB = False
 # what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
 # caller may run another kernel instead; a kernel that compiled never raises these
 BUILD_ERRORS = (CompilationError, OutOfResources)
@@ -140,7 +135,7 @@ def _decode_attn_split_kernel(
     scale_log2, num_heads, batch, budget, plan_ptr, programs,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
-    PREPLAN: tl.constexpr, SWAP_AB: tl.constexpr,
+    PREPLAN: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -175,12 +170,8 @@ def _decode_attn_split_kernel(
     v_base = v_ptr + kv_head * stride_v_head + offs_d[None, :]
     row_scale = k_descale * scale_log2  # scores in log2 units
     q_ptrs = q_ptr + seq * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
-    if SWAP_AB:  # q^T as the MMA's N side, E4M3 as it arrives; O^T accumulated
-        q = tl.trans(tl.load(q_ptrs, mask=head_ok[:, None], other=0.0))
-        acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)
-    else:
-        q = tl.load(q_ptrs, mask=head_ok[:, None], other=0.0).to(tl.float16)
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    q = tl.load(q_ptrs, mask=head_ok[:, None], other=0.0).to(tl.float16)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     for t0 in range(start, end, BLOCK_N):
@@ -190,18 +181,10 @@ def _decode_attn_split_kernel(
         k_rows = page * stride_k_page + (pos % PAGE_SIZE) * stride_k_off
         v_rows = page * stride_v_page + (pos % PAGE_SIZE) * stride_v_off
         k = tl.load(k_base + k_rows[:, None], mask=pos_ok[:, None], other=0.0)
-        if SWAP_AB:  # scores [BLOCK_N, BLOCK_H]: the tokens are axis 0
-            s = tl.where(pos_ok[:, None], tl.dot(k, q) * row_scale, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0)
-            v = tl.load(v_base + v_rows[:, None], mask=pos_ok[:, None], other=0.0).to(tl.float16)
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
-        else:
-            s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k.to(tl.float16))) * row_scale, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 1)
-            v = tl.load(v_base + v_rows[:, None], mask=pos_ok[:, None], other=0.0).to(tl.float16)
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
-    if SWAP_AB:
-        acc = tl.trans(acc)
+        s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k.to(tl.float16))) * row_scale, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 1)
+        v = tl.load(v_base + v_rows[:, None], mask=pos_ok[:, None], other=0.0).to(tl.float16)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
 
     filled = l_i > 0.0  # an empty split (a sequence of length 0) has no tile
     o = acc * (v_descale / tl.where(filled, l_i, 1.0))[:, None]
@@ -309,7 +292,6 @@ def fp8_decode_attention(
     num_stages: int = DEFAULT_STAGES,
     fine: int = FINE,
     preplan: bool = PREPLAN,
-    swap_ab: bool = SWAP_AB,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V per sequence and query head, K/V read from the FP8 cache: see the module docstring.
 
@@ -318,19 +300,15 @@ def fp8_decode_attention(
     [B, H_kv] (a scalar or per-head scale expanded); ``budget``: programs per KV head to share the step's tiles among
     (default ``work_budget``); ``fine``: how many times smaller than the even share the programs of a plan that does
     not fit one wave are (the grid holds ``grid_programs`` of them); ``preplan``: one small launch writes the plan
-    first and the two kernels read their part of it, instead of every program computing it; ``swap_ab``: the tokens
-    on the MMA's M side (``SWAP_AB``; a BF16 query is cast to E4M3 first, as SGLang casts it for FA3). Returns ``out``
-    (or a new tensor) [B, H, D] in BF16."""
+    first and the two kernels read their part of it, instead of every program computing it. Returns ``out`` (or a
+    new tensor) [B, H, D] in BF16."""
     reason = cannot_run(q, k_cache, v_cache, page_table, cache_seqlens)
     if reason:
         raise ValueError(f"fp8_decode_attention: {reason}")
     if not isinstance(fine, int) or fine < 1:
         raise ValueError(f"fp8_decode_attention: fine must be an int >= 1, got {fine!r}")
-    for name, flag in (("preplan", preplan), ("swap_ab", swap_ab)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"fp8_decode_attention: {name} must be a bool, got {flag!r}")
-    if swap_ab and q.dtype != torch.float8_e4m3fn:
-        q = q.to(torch.float8_e4m3fn)  # the E4M3 MMA takes both operands in E4M3
+    if not isinstance(preplan, bool):
+        raise ValueError(f"fp8_decode_attention: preplan must be a bool, got {preplan!r}")
     batch, heads, dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -359,7 +337,7 @@ def fp8_decode_attention(
         page_table.stride(0), k_descale.stride(0), k_descale.stride(1), v_descale.stride(0), v_descale.stride(1),
         float(softmax_scale) * LOG2E, heads, batch, budget, plan_buf, programs,
         PAGE_SIZE=page_size, GROUP=group, BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), HEAD_DIM=dim,
-        num_warps=num_warps, num_stages=num_stages, PREPLAN=preplan, SWAP_AB=swap_ab, **plan,
+        num_warps=num_warps, num_stages=num_stages, PREPLAN=preplan, **plan,
     )
     out3 = out.view(batch, heads, dim)
     _decode_attn_merge_kernel[(batch, heads)](
