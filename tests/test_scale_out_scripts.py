@@ -275,6 +275,16 @@ def test_bench_update_dry_run_plans_30b_at_tp4(tmp_path, capsys):
                               "--gpus", "4", "--dry-run"]) == 2
 
 
+def test_bench_update_dry_run_of_the_24_layer_30b_fits_one_80gb_gpu(tmp_path, capsys):
+    """qwen3-30b-a3b-24l: 30B-A3B's first 24 layers (the same tensors a layer), half the payload on one GPU."""
+    rc = bench_update.main(["--model-dir", str(tmp_path / "models"), "--out", str(tmp_path / "o"), "--model",
+                            "qwen3-30b-a3b-24l", "--tp-size", "1", "--dry-run"])
+    out = json.loads(capsys.readouterr().out)
+    config = json.loads((tmp_path / "models" / "qwen3-30b-a3b-24l" / "config.json").read_text())
+    assert rc == 0 and config["num_hidden_layers"] == 24 and config["num_experts"] == 128
+    assert 30 < out["payload_gb_per_gpu"]["0"] < 32  # half of 30B-A3B's 61.06 GB (embeddings and lm_head whole)
+
+
 def test_issue_36_target_lines():
     """<= 1.0 s per full update of 30B-A3B at TP 4 by tensor and by broadcast, no slower than BF16 in the same run;
     the engine's breakdown of a path and its KV recalibrations; other models and TPs are reported, not judged."""

@@ -13,6 +13,8 @@ usage: python3 scripts/gpu/make_models.py OUT_DIR [NAME ...]      (default: ever
                        head_dim 128, moe_intermediate_size 768, 128 experts, 8 per token, vocab 151936,
                        norm_topk_prob true, decoder_sparse_step 1, mlp_only_layers []
   qwen3-30b-a3b-block  qwen3-30b-a3b + the same block-FP8 quantization_config
+  qwen3-30b-a3b-24l    qwen3-30b-a3b with its first 24 layers: the same tensors a layer (9,459 in all), half the bytes,
+                       so that a weight sync of 30B-A3B's per-tensor shape fits one 80 GB GPU beside its BF16 payload
 
 Each folder gets a byte-level tokenizer (256 byte tokens + Qwen's three special tokens, no merges; ids do not match
 real Qwen3): sglang.bench_one_batch needs *a* tokenizer to load.
@@ -83,7 +85,8 @@ QWEN3_MOE = dict(
     eos_token_id=151645,
     torch_dtype="bfloat16",
 )
-ALL = ["qwen3-small", "qwen3-8b", "qwen3-8b-block", "qwen3-30b-a3b", "qwen3-30b-a3b-block"]
+ALL = ["qwen3-small", "qwen3-8b", "qwen3-8b-block", "qwen3-30b-a3b", "qwen3-30b-a3b-block", "qwen3-30b-a3b-24l"]
+MOE_LAYERS = {"qwen3-30b-a3b-24l": 24}  # MoE variants with fewer layers than QWEN3_MOE's
 
 
 def write_tokenizer(path: str) -> None:
@@ -126,7 +129,7 @@ def write(out_dir: str, name: str) -> str:
     else:
         from transformers import Qwen3MoeConfig
 
-        cfg = Qwen3MoeConfig(**QWEN3_MOE)
+        cfg = Qwen3MoeConfig(**dict(QWEN3_MOE, num_hidden_layers=MOE_LAYERS.get(base, QWEN3_MOE["num_hidden_layers"])))
         cfg.architectures = ["Qwen3MoeForCausalLM"]
     cfg.save_pretrained(path)
     cj = os.path.join(path, "config.json")
