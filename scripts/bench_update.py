@@ -73,7 +73,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--model-dir", required=True, help="folder of dummy-weight models (scripts/gpu/make_models.py; "
                                                       "the --model folder is written there if missing)")
     p.add_argument("--out", required=True)
-    p.add_argument("--model", default="qwen3-8b", choices=["qwen3-8b", "qwen3-small", "qwen3-30b-a3b", "qwen3-30b-a3b-24l"])
+    p.add_argument("--model", default="qwen3-8b",
+                   choices=["qwen3-8b", "qwen3-small", "qwen3-30b-a3b", "qwen3-30b-a3b-24l"])
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--deadline-s", type=float, default=530.0, help="whole-run budget in seconds (default 530)")
     p.add_argument("--repeats", type=int, default=2, help="timed pushes per path other than disk (default 2)")

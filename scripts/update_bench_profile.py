@@ -2,11 +2,13 @@
 
 ``bench_update.py --profile-buckets N`` calls :func:`profile_push` after the timed pushes of ``--profile-path`` on
 each engine: ``POST /start_profile`` (CPU and GPU activities, Python stacks, so that this package's functions appear
-as ``python_function`` events), the first N buckets of the payload pushed as the telemetry push sends them
-(``atomic=False``), ``POST /stop_profile``, then TP rank 0's trace read with ``scripts/gpu/step_trace.py``: the wall
-time and tensors of the pushed buckets, the GPU's busy time and top kernels, the host events of most self time, and
-the inclusive time of the functions of ``sglang_fp8rl`` and of SGLang's update handlers. The profiler slows the host
-down (Python stack tracing): the shares, not the absolute times, are the result.
+as ``python_function`` events), the N buckets of the payload holding the most tensors (a model's first buckets
+hold its largest tensors one by one: the embedding, the LM head) pushed in payload order as the telemetry push
+sends them (``atomic=False``), ``POST /stop_profile``, then TP rank 0's trace read with
+``scripts/gpu/step_trace.py``: the wall time and tensors of the pushed buckets, the GPU's busy time and top
+kernels, the host events of most self time, and the inclusive time of the functions of ``sglang_fp8rl`` and of
+SGLang's update handlers. The profiler slows the host down (Python stack tracing): the shares, not the absolute
+times, are the result.
 """
 
 from __future__ import annotations
@@ -70,9 +72,16 @@ def summarize(trace: dict, tensors: int, wall_s: float) -> dict:
     }
 
 
+def most_tensors(all_buckets: list, n: int) -> list:
+    """The n buckets holding the most tensors (the earlier of equal ones), in their payload order."""
+    ranked = sorted(range(len(all_buckets)), key=lambda i: (-len(all_buckets[i]), i))[:n]
+    return [all_buckets[i] for i in sorted(ranked)]
+
+
 def profile_push(url: str, weights: dict, bucket_bytes: int, flatten: bool, n_buckets: int, prof_dir: str,
                  profile_id: str, timeout_s: float = 180.0) -> dict:
-    """The first n_buckets buckets of ``weights`` pushed under the profiler; :func:`summarize` of rank 0's trace."""
+    """The n_buckets buckets of ``weights`` with the most tensors pushed under the profiler; :func:`summarize` of
+    rank 0's trace."""
     import requests
     from kernel_trace import load_trace
     from update_bench_server import push_one_bucket
@@ -82,7 +91,7 @@ def profile_push(url: str, weights: dict, bucket_bytes: int, flatten: bool, n_bu
     os.makedirs(prof_dir, exist_ok=True)
     for old in glob.glob(os.path.join(prof_dir, "*.trace.json*")):
         os.remove(old)
-    chosen = [b for _, b in zip(range(n_buckets), buckets(weights, bucket_bytes))]
+    chosen = most_tensors(list(buckets(weights, bucket_bytes)), n_buckets)
     r = requests.post(url + "/start_profile", json=profile_body(prof_dir, profile_id), timeout=60)
     if r.status_code != 200:
         return {"error": f"/start_profile: HTTP {r.status_code}: {r.text.strip()[:200]}"}

@@ -92,17 +92,18 @@ def test_profile_push_round_trip_and_summary(monkeypatch, tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        weights = {f"w{i}": torch.zeros(1 << 17) for i in range(5)}  # 512 KiB each: buckets of 2, 2, 1 at 1 MiB
+        # 1 MiB, then 512 KiB each: buckets of 1, 2, 2, 1 tensors at 1 MiB
+        weights = {"big": torch.zeros(1 << 18), **{f"w{i}": torch.zeros(1 << 17) for i in range(5)}}
         rec = P.profile_push(url, weights, 1 << 20, True, 2, str(tmp_path / "prof"), "fp8_flattened", timeout_s=30)
     finally:
         server.shutdown()
     assert StandIn.started["with_stack"] is True and StandIn.started["activities"] == ["CPU", "GPU"]
     assert "num_steps" not in StandIn.started  # recording until /stop_profile, not a number of forward steps
-    assert [len(names) for names, _ in sent] == [2, 2]  # the first two buckets only
+    assert [[n for n, _ in items] for items, _ in sent] == [["w0", "w1"], ["w2", "w3"]]  # most tensors, in order
     assert all(kw["flatten"] is True and kw["atomic"] is False and kw["complete"] is False for _, kw in sent)
     assert rec["trace"] == "fp8_flattened-TP-0.trace.json.gz" and (rec["buckets"], rec["tensors"]) == (2, 4)
     res = {"model": "m", "device": "d", "bucket_mb": 1, "d2d_copy_GBps": None,
-           "payload": {"tensors": 5, "bytes": 5 << 19, "largest_name": "w0", "largest_bytes": 1 << 19},
+           "payload": {"tensors": 6, "bytes": 7 << 19, "largest_name": "big", "largest_bytes": 1 << 20},
            "engines": {"fp8": {"profile_flattened": rec}}, "targets": [], "notes": []}
     md = render(res)
     assert "### profiled push: fp8, flattened" in md and "2 buckets, 4 tensors" in md
@@ -119,3 +120,10 @@ def test_bench_update_takes_the_profile_options():
     with pytest.raises(SystemExit):
         bench_update.parse_args(["--model-dir", "m", "--out", "o", "--profile-path", "disk"])
     assert isinstance(args, argparse.Namespace)
+
+
+def test_the_buckets_of_most_tensors_are_profiled_in_payload_order():
+    sizes = [1, 3, 2, 3, 1]
+    chosen = P.most_tensors([list(range(n)) for n in sizes], 2)
+    assert [len(b) for b in chosen] == [3, 3]
+    assert P.most_tensors([[1], [1, 2]], 5) == [[1], [1, 2]]  # fewer buckets than asked: all of them

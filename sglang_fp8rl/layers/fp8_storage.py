@@ -34,6 +34,7 @@ from sglang_fp8rl.quant import FP8_DTYPE, UNQUANTIZED_DTYPES, dequantize_blockwi
 CHECK_ATTR = "fp8rl_check"
 # attribute of a module quantized by this package that holds its Fp8LayerState
 STATE_ATTR = "_fp8rl"
+_LAYER_STATES_ATTR = "_fp8rl_layer_states"  # on the model: layer_states' list
 
 # attribute of FP8 codes sent pre-quantized (a trainer's checkpoint-format update): their block scales, the
 # [ceil(N/128), ceil(K/128)] float32 dequantization multipliers sent as `<name>_scale_inv` (weight_sync/fp8_payload.py)
@@ -65,6 +66,17 @@ def layer_state(module: torch.nn.Module) -> Optional[Fp8LayerState]:
     """The module's state if this package quantized it, else None."""
     state = getattr(module, STATE_ATTR, None)
     return state if isinstance(state, Fp8LayerState) else None
+
+
+def layer_states(model: torch.nn.Module) -> tuple[Fp8LayerState, ...]:
+    """The states of every layer of ``model`` this package quantized, found once per model: a walk of its modules
+    costs milliseconds (~3.8 ms at 24 MoE layers, RESULTS 29b), and every update request needs them, while the set
+    is fixed once the weights are loaded (the first update comes after that)."""
+    states = model.__dict__.get(_LAYER_STATES_ATTR)
+    if states is None:
+        states = tuple(state for state in map(layer_state, model.modules()) if state is not None)
+        model.__dict__[_LAYER_STATES_ATTR] = states
+    return states
 
 
 # ---------------------------------------------------------------------------------------------------------------------

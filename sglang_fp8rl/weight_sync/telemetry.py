@@ -97,8 +97,14 @@ def measured(source: str, model: torch.nn.Module) -> Iterator[UpdateStats]:
         yield stats
         return
     torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
+    before = _allocated_bytes(device).get("current", 0)
     try:
         yield stats
     finally:
-        stats.peak_extra_bytes = torch.cuda.max_memory_allocated(device) - before
+        stats.peak_extra_bytes = _allocated_bytes(device).get("peak", 0) - before
+
+
+def _allocated_bytes(device: torch.device) -> dict[str, int]:
+    """The caching allocator's allocated-bytes counters (current, peak, ...), read without torch.cuda.memory_stats'
+    flattening of every counter into one dict (about 0.3 ms a call, twice per update request)."""
+    return torch.cuda.memory_stats_as_nested_dict(device).get("allocated_bytes", {}).get("all", {})

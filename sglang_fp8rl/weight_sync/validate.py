@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
-from sglang.srt.layers.linear import LinearBase
+from sglang.srt.layers.linear import LinearBase, ReplicatedLinear
 from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_loader.weight_utils import default_weight_loader
@@ -36,6 +36,11 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.
 # what SGLang's loaders raise on a tensor they do not take (asserts included)
 DRY_RUN_ERRORS = (ValueError, AssertionError, KeyError, RuntimeError, IndexError, TypeError, AttributeError)
 DRY_RUN_CACHE_SIZE = 256  # request signatures remembered per model (an 8B model in 512 MB buckets uses ~33)
+# SGLang's loaders that write a same-size tensor as ``param.data.copy_(loaded)`` and nothing else (every supported
+# release, off NPU and GGUF): the default one (norms) and ReplicatedLinear's (MoE routers, linear.py's
+# ReplicatedLinear.weight_loader). Their writes replay as one multi-tensor copy instead of a load_weights call,
+# which costs a walk of the model's parameters per request (~4 ms at 24 MoE layers, RESULTS 29b).
+WHOLE_COPY_LOADERS = (default_weight_loader, ReplicatedLinear.weight_loader)
 
 
 class UpdateRejected(ValueError):
@@ -235,6 +240,14 @@ def replaced_loaders(model: torch.nn.Module, make: Callable[[torch.nn.Parameter,
             _set_loader(param, real)
 
 
+def loader_copies_whole(loader: Callable, param: torch.nn.Parameter, loaded: torch.Tensor, args: tuple,
+                        kwargs: dict) -> bool:
+    """Whether this loader call is ``param.data.copy_(loaded)`` and nothing else (see WHOLE_COPY_LOADERS)."""
+    func = getattr(loader, "__func__", loader)  # ReplicatedLinear's is a bound method
+    return (func in WHOLE_COPY_LOADERS and not args and not kwargs and param.size() == loaded.size()
+            and not getattr(param, "is_gguf_weight", False) and not getattr(param, "is_gguf_weight_type", False))
+
+
 @contextlib.contextmanager
 def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunTarget]:
     """Replace every parameter's loader by a checker that records into ``target.record`` but never writes."""
@@ -254,8 +267,7 @@ def dry_run_loaders(model: torch.nn.Module) -> Iterator[DryRunTarget]:
             _load_into_scratch(real, p, loaded, *args, **kwargs)
             target.record.plain_params += 1
             target.record.plain_writes.append((p, loader_shard(args, kwargs)))
-            if real is default_weight_loader and not args and not kwargs and loaded is target.tensor \
-                    and p.size() == loaded.size():
+            if loader_copies_whole(real, p, loaded, args, kwargs) and loaded is target.tensor:
                 target.record.plain_copies.append(p)
 
         return checker

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from sglang_fp8rl.kernels.dispatch import check_nonfinite_flag
-from sglang_fp8rl.layers.fp8_storage import copy_pairs, layer_state, prevalidated_writes, write_planned
+from sglang_fp8rl.layers.fp8_storage import copy_pairs, layer_states, prevalidated_writes, write_planned
 from sglang_fp8rl.weight_sync.engine_state import engine_state
 from sglang_fp8rl.weight_sync.request import Validated
 
@@ -30,8 +30,7 @@ def apply_validated(model: torch.nn.Module, load_weights: Callable, validated: V
     the model's load_weights; errors propagate (the caller knows writing has started)."""
     device, state = model_device(model), engine_state()
     state.writes += 1
-    layers = [layer for layer in map(layer_state, model.modules()) if layer is not None]
-    with prevalidated_writes(layers, device) as flag:
+    with prevalidated_writes(layer_states(model), device) as flag:
         write_planned(list(validated.incoming_writes()))
         copy_pairs([(param.data, tensor) for param, tensor in validated.plain_copies()])  # SGLang's default loader
         if validated.to_load:
