@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import inspect
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -243,7 +244,7 @@ def replaced_loaders(model: torch.nn.Module, make: Callable[[torch.nn.Parameter,
 def loader_copies_whole(loader: Callable, param: torch.nn.Parameter, loaded: torch.Tensor, args: tuple,
                         kwargs: dict) -> bool:
     """Whether this loader call is ``param.data.copy_(loaded)`` and nothing else (see WHOLE_COPY_LOADERS)."""
-    func = getattr(loader, "__func__", loader)  # ReplicatedLinear's is a bound method
+    func = loader.__func__ if inspect.ismethod(loader) else loader  # ReplicatedLinear's is a bound method
     return (func in WHOLE_COPY_LOADERS and not args and not kwargs and param.size() == loaded.size()
             and not getattr(param, "is_gguf_weight", False) and not getattr(param, "is_gguf_weight_type", False))
 
