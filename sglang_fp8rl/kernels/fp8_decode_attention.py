@@ -117,12 +117,12 @@ def _decode_attn_plan_kernel(seqlens_ptr, plan_ptr, batch, budget, programs, BLO
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i, AXIS: tl.constexpr):
-    """One tile of the online softmax over ``AXIS`` (the tokens) of log2 scores: (p, alpha, running max, sum)."""
-    m_new = tl.maximum(m_i, tl.max(s, AXIS))
+def _softmax_step(s, m_i, l_i):
+    """One tile of the online softmax over the tokens (axis 1) of log2 scores: (p, alpha, running max, sum)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - tl.expand_dims(m_new, AXIS))
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, AXIS)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -182,7 +182,7 @@ def _decode_attn_split_kernel(
         v_rows = page * stride_v_page + (pos % PAGE_SIZE) * stride_v_off
         k = tl.load(k_base + k_rows[:, None], mask=pos_ok[:, None], other=0.0)
         s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k.to(tl.float16))) * row_scale, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         v = tl.load(v_base + v_rows[:, None], mask=pos_ok[:, None], other=0.0).to(tl.float16)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
 
