@@ -1,6 +1,7 @@
 """verl's colocated weight sync (issue 36, item 6) through SGLang's real release/resume methods on a CPU ModelRunner,
 one worker process per variant, without and with a CPU backup of the weights (tests/colocated.py; torch_memory_saver
-emulated there, since it needs CUDA). CI runs it on every supported release (scripts/cpu_matrix.sh).
+emulated there, since it needs CUDA). CI runs it on the primary, the oldest and the newest
+release (scripts/cpu_matrix.sh).
 
 Per step: release (KV cache and weights) -> a push, refused saying why -> resume the weights -> a push without one
 tensor -> the full push of W1 -> resume the KV cache. Without a CPU backup the resumed weights are garbage, so the
