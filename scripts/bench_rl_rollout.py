@@ -22,6 +22,8 @@ Configs (--configs, run in the order given):
                  the default auto, takes it up to 8 sequences and FA3 above)
   fp8_kv_triton  fp8_kv + --attention-backend triton
   fp8_kv_flashinfer  fp8_kv + --attention-backend flashinfer (its first start JIT-compiles FlashInfer's kernels)
+  fp8_kv_fi_decode   fp8_kv + --decode-attention-backend flashinfer (prefill on FA3, decode on FlashInfer's FP8
+                 kernel: SGLang's hybrid backend; the first start JIT-compiles FlashInfer's decode module)
 The ratios' baseline is the faster (smaller makespan, all requests done) of bf16 and bf16_graphs512 among the configs
 that ran, named in the table; with neither of them, the first config.
 Every server also gets --load-format dummy --skip-tokenizer-init --sampling-backend pytorch --grammar-backend none
@@ -106,6 +108,7 @@ CONFIGS: dict[str, list[str]] = {
     "fp8_kv_splitkv": [*BRC._ONLINE, *BRC._FP8_KV, BRC.DECODE_ATTENTION_FLAG, "split_kv"],
     "fp8_kv_triton": [*BRC._ONLINE, *BRC._FP8_KV, "--attention-backend", "triton"],
     "fp8_kv_flashinfer": [*BRC._ONLINE, *BRC._FP8_KV, "--attention-backend", "flashinfer"],
+    "fp8_kv_fi_decode": [*BRC._ONLINE, *BRC._FP8_KV, "--decode-attention-backend", "flashinfer"],
 }
 DEFAULT_CONFIGS = ["bf16", "fp8"]
 MODELS = ("qwen3-8b", "qwen3-30b-a3b")  # scripts/gpu/make_models.py names

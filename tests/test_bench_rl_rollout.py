@@ -187,6 +187,7 @@ def test_server_commands_parse_with_sglang_server_args(fa3_fallback):
         assert ns.attention_backend == backend  # None: SGLang's default (FA3 on Hopper)
         assert p["fa3_fallback"] == (fa3_fallback and named is None)
         assert ("SGLANG_FLASHINFER_USE_PAGED" in p["env"]) == (name == "fp8_kv_flashinfer")
+        assert ns.decode_attention_backend == ("flashinfer" if name == "fp8_kv_fi_decode" else None)
         assert ns.fp8rl_gemm_select == ("off" if name == "fp8" else "auto")
         assert ns.fp8rl_kv_scales == ("static" if name == "fp8_kv" else "auto")
         assert p["env"]["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "0"

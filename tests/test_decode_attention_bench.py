@@ -40,6 +40,22 @@ def test_report_from_a_recorded_run(card):
     assert result["device"] in text.splitlines()[0]
 
 
+def test_report_with_flashinfer_columns():
+    """--flashinfer adds FlashInfer's FP8 decode and its ratio to FA3's; a cell where it failed shows '-'."""
+    result = json.loads(RECORDED["h200"].read_text())
+    first, second = result["cells"][0]["kernels"], result["cells"][1]["kernels"]
+    first["fi_fp8"] = {"us": first["fa3_fp8"]["us"] / 1.25, "of_copy_bw": 0.5,
+                       "error": {"max_abs": 1e-3, "max_rel": 0.0, "ref_max": 1.0}}
+    second["fi_fp8"] = {"error_text": "RuntimeError: no nvcc"}
+    lines = bench().report(result).splitlines()
+    header = next(line for line in lines if line.startswith("| bs x context"))
+    assert "FlashInfer FP8 us (%)" in header and "FA3 FP8 / FlashInfer FP8" in header
+    rows = [line for line in lines if line[:3].strip("| ").isdigit()]
+    assert all(row.count("|") == header.count("|") for row in rows)
+    assert "| 1.25x |" in rows[0] and "/1.00e-03 |" in rows[0]
+    assert "| - |" in rows[1]
+
+
 def test_the_kernels_plan_at_equal_lengths_was_among_the_best_measured_on_the_h100():
     """At equal lengths the plan (plan_splits over work_budget) gives each sequence the splits of the recorded H100
     sweep (which swept split counts, before the plan) that were within 10 % of the best at the default tile, stages
@@ -90,5 +106,5 @@ def test_command_line():
     proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu/bench_decode_attention.py"), "--help"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    for flag in ("--out", "--quick", "--deadline-s", "--no-sweep", "--cells"):
+    for flag in ("--out", "--quick", "--deadline-s", "--no-sweep", "--cells", "--flashinfer"):
         assert flag in proc.stdout

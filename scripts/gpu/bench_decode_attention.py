@@ -8,6 +8,9 @@ to FA3 (a [1] tensor expanded to [batch, kv_heads]). Per cell (running batch x c
   fa3_fp8     FA3 on the FP8 cache, the query cast to E4M3 (SGLang's FP8-KV decode today)
   split_kv    sglang_fp8rl.kernels.fp8_decode_attention with its defaults, and each variant of the sweep
               (BLOCK_N x warps x stages x work budget: the programs per KV head sharing the step's tiles)
+  fi_fp8      with --flashinfer: FlashInfer's batch decode on the FP8 cache as SGLang's flashinfer backend calls it
+              (tensor cores, a BF16 query, k_scale / v_scale as floats, a CUDA-graph wrapper planned once per cell);
+              its first use JIT-compiles the module (the seconds it took are recorded)
 
 A cell's contexts are all equal, or ragged ("r" cells): lognormal (sigma 1, as an RL batch's contexts spread) with
 the cell's context as their mean, each between 64 tokens and 8x the mean, the same draw for every kernel.
@@ -18,7 +21,7 @@ the query and the output) and the bandwidth that makes, against the device's cop
 run as the roofline measures it (scripts/decode_roofline.py: 1 GiB, read + write, the best of its timed loops).
 Accuracy: each kernel's output against a float64 reference computed from the same E4M3 query and cache.
 
-  python scripts/gpu/bench_decode_attention.py --out /tmp/attn [--quick] [--deadline-s 400]
+  python scripts/gpu/bench_decode_attention.py --out /tmp/attn [--quick] [--deadline-s 400] [--flashinfer]
 """
 from __future__ import annotations
 
@@ -144,6 +147,34 @@ def fa3_calls(cell: Cell, fp8: bool):
     return call
 
 
+FI_WORKSPACE_BYTES = 256 << 20  # SGLang's flashinfer backend allocates this much float workspace (its default)
+
+
+def fi_calls(cell: Cell):
+    """FlashInfer's FP8-KV decode on a cell, as SGLang's flashinfer backend makes it (planned once, graph-safe)."""
+    import flashinfer
+
+    dev = cell.q.device
+    lengths = torch.tensor(cell.lengths, dtype=torch.int32)
+    indptr = torch.zeros(cell.batch + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(lengths, 0)
+    indptr = indptr.to(dev)
+    indices = torch.cat([cell.page_table[b, :n] for b, n in enumerate(cell.lengths)]).to(torch.int32)
+    last_page_len = torch.ones(cell.batch, dtype=torch.int32, device=dev)  # page size 1: every page is full
+    workspace = torch.zeros(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+        paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last_page_len)
+    wrapper.plan(indptr, indices, last_page_len, HEADS, KV_HEADS, DIM, 1, q_data_type=torch.bfloat16,
+                 kv_data_type=torch.float8_e4m3fn, sm_scale=cell.scale)
+    k_scale, v_scale = float(cell.k_scale), float(cell.v_scale)
+    q = cell.q8.to(torch.bfloat16)  # SGLang passes its BF16 query; these values are the reference's E4M3 query
+
+    def call(i: int) -> torch.Tensor:
+        return wrapper.run(q, (cell.k[i], cell.v[i]), k_scale=k_scale, v_scale=v_scale)
+    return call
+
+
 def split_kv_call(cell: Cell, cfg: dict, sms: int):
     """The kernel's call on a cell with ``cfg``'s variant, its work budget and its plan's largest split count."""
     budget = FDA.work_budget(KV_HEADS, sms, cfg.get("per_sm", FDA.RESIDENT_PER_SM))
@@ -177,19 +208,25 @@ def variants(sweep: dict) -> list[dict]:
     return [dict(zip(keys, values)) for values in itertools.product(*(sweep[k] for k in keys))]
 
 
-def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float) -> dict:
+def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float, flashinfer: bool = False) -> dict:
     ref = cell.reference()
     row = {"batch": cell.batch, "context": cell.context, "ragged": cell.ragged, "max_context": max(cell.lengths),
            "copies": cell.copies, "kernels": {}, "sweep": []}
-    for name, fp8 in (("fa3_bf16", False), ("fa3_fp8", True)):
+    kernels = [("fa3_bf16", False), ("fa3_fp8", True)] + ([("fi_fp8", True)] if flashinfer else [])
+    for name, fp8 in kernels:
         try:
-            call = fa3_calls(cell, fp8)
+            started = time.time()
+            call = fi_calls(cell) if name == "fi_fp8" else fa3_calls(cell, fp8)
+            if name == "fi_fp8":
+                call(0)  # the first call JIT-compiles FlashInfer's module: timed apart from the kernel
+                torch.cuda.synchronize()
+                row["fi_first_call_s"] = time.time() - started
             us = time_graph(call, cell.copies)
-            nbytes = cell.read_bytes(1 if fp8 else 2, 1 if fp8 else 2)
+            nbytes = cell.read_bytes(1 if fp8 else 2, 1 if name == "fa3_fp8" else 2)
             row["kernels"][name] = {"us": us, "gbps": nbytes / us / 1e3, "of_copy_bw": nbytes / us / 1e3 / bw}
             if fp8:  # the BF16 cache holds the codes unscaled: not comparable with the reference
                 row["kernels"][name]["error"] = error_vs(ref, call(0))
-        except Exception as e:  # FA3 missing or refusing a shape: recorded, the sweep goes on
+        except Exception as e:  # FA3 / FlashInfer missing or refusing a shape: recorded, the sweep goes on
             row["kernels"][name] = {"error_text": f"{type(e).__name__}: {e}"[:300]}
     nbytes = cell.read_bytes(1, 1)
     default_call, plan = split_kv_call(cell, {}, sms)
@@ -236,6 +273,12 @@ def report(result: dict) -> str:
              "| bs x context | FA3 BF16 us (% copy BW) | FA3 FP8 us (%) | split-KV default us (%) | best sweep us (%) "
              "| best config | FA3 FP8 / split-KV | max abs err FA3 FP8 / split-KV |",
              "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
+    with_fi = any("fi_fp8" in row["kernels"] for row in result["cells"])
+    if with_fi:
+        lines[-2] = lines[-2].replace(" | best sweep", " | FlashInfer FP8 us (%) | best sweep")
+        lines[-2] = lines[-2].replace(" | max abs err FA3 FP8 / split-KV |",
+                                      " | FA3 FP8 / FlashInfer FP8 | max abs err FA3 FP8 / split-KV / FlashInfer FP8 |")
+        lines[-1] = "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |"
     for row in result["cells"]:
         k = row["kernels"]
 
@@ -247,9 +290,14 @@ def report(result: dict) -> str:
         cfg = f"n{best['block_n']} w{best['num_warps']} s{best['num_stages']}, {work_of(best)}" if best else "-"
         ratio = (f"{k['fa3_fp8']['us'] / k['split_kv']['us']:.2f}x" if "us" in k.get("fa3_fp8", {}) else "-")
         errs = "/".join(f"{k[n]['error']['max_abs']:.2e}" if "error" in k.get(n, {}) else "-"
-                        for n in ("fa3_fp8", "split_kv"))
+                        for n in ("fa3_fp8", "split_kv", *(("fi_fp8",) if with_fi else ())))
+        fi = ""
+        if with_fi:
+            fi_ratio = (f"{k['fa3_fp8']['us'] / k['fi_fp8']['us']:.2f}x"
+                        if "us" in k.get("fa3_fp8", {}) and "us" in k.get("fi_fp8", {}) else "-")
+            fi, ratio = f" {cellfmt('fi_fp8')} |", f"{ratio} | {fi_ratio}"
         lines.append(f"| {cell_label(row)} | {cellfmt('fa3_bf16')} | {cellfmt('fa3_fp8')} | "
-                     f"{cellfmt('split_kv')} | {best_txt} | {cfg} | {ratio} | {errs} |")
+                     f"{cellfmt('split_kv')} |{fi} {best_txt} | {cfg} | {ratio} | {errs} |")
     return "\n".join(lines) + "\n"
 
 
@@ -261,6 +309,8 @@ def main() -> int:
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--cells", choices=("all", "equal", "ragged"), default="all",
                    help="equal contexts, ragged ones (lognormal), or both (default)")
+    p.add_argument("--flashinfer", action="store_true",
+                   help="also FlashInfer's FP8-KV decode as SGLang's flashinfer backend calls it (JIT on first use)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -284,7 +334,8 @@ def main() -> int:
     for i, (batch, context, ragged) in enumerate(cells):
         cell_deadline = t0 + args.deadline_s * (i + 1) / len(cells)
         cell = Cell(batch, context, dev, bf16=True, ragged=ragged)
-        result["cells"].append(run_cell(cell, sweep, props.multi_processor_count, bw, cell_deadline))
+        result["cells"].append(run_cell(cell, sweep, props.multi_processor_count, bw, cell_deadline,
+                                        flashinfer=args.flashinfer))
         del cell
         torch.cuda.empty_cache()
         print(report(result).splitlines()[-1], flush=True)
