@@ -8,7 +8,8 @@ M in {1, 8, 32, 64, 96, 112, 128, 144, 192, 256}:
 * each candidate of ``sglang_fp8rl.kernels.gemm_select`` (``deepgemm_default`` = SGLang's dispatched block-FP8
   linear, ``deepgemm_sms_{n}`` = the same under ``deep_gemm.set_num_sms(n)``, ``triton_default``), each a full
   linear: 1x128 activation quant + GEMM, on a weight quantized by ``sglang_fp8rl.quant`` (128x128 fp32 scales);
-* ``fp8rl_n{64,128}_sk{1,2,4}``: our swap-AB / split-K Triton kernel (``sglang_fp8rl.kernels.block_gemm``), M <= 128.
+* ``fp8rl_n{64,128}_sk{1,2,4}``: our swap-AB / split-K Triton kernel (``sglang_fp8rl.kernels.block_gemm``), M <= 128;
+* ``fp8rl_fused_n64_sk4``: the same kernel quantizing the BF16 activation itself (one launch), M <= 16.
 
 Timing: a CUDA graph of >= 48 back-to-back calls rotating over enough weight copies
 (>= 200 MB) and activation sets that weights come from HBM, median of the replays / calls. Each (shape, M, method)
@@ -107,7 +108,8 @@ def main(argv=None) -> int:
     shapes = parse_shapes(args.shapes)
     sms = tuple(int(v) for v in args.sms.split(",")) if args.sms else gs.DEFAULT_SMS
     # the microbenchmark compares every candidate; --tune uses the server's own set, so the cache stays valid there
-    cands = gs.make_candidates(sms, triton=not args.no_triton, ours=() if args.no_ours else gs.ALL_OURS_CONFIGS)
+    cands = gs.make_candidates(sms, triton=not args.no_triton, ours=() if args.no_ours else gs.ALL_OURS_CONFIGS,
+                               fused=() if args.no_ours else gs.FUSED_CONFIGS)
     facts = deepgemm.detect()
     info = gs.env_info(facts)
     print("env:", json.dumps(info))

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 import torch
-from triton_interpreter import run_under_interpreter
+from triton_interpreter import QUANTIZER_PREAMBLE, check_under_interpreter
 
 from sglang_fp8rl.kernels import gemm_select as gs
 
@@ -66,9 +66,61 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 def test_block_gemm_under_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    result = run_under_interpreter(INTERPRETER_CHECK)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "block_gemm interpreter ok" in result.stdout
+    check_under_interpreter(INTERPRETER_CHECK, "block_gemm interpreter ok")
+
+
+FUSED_CHECK = QUANTIZER_PREAMBLE + textwrap.dedent(
+    """
+    from sglang_fp8rl.kernels import block_gemm as bg
+
+    # the interpreter's float32 -> E4M3 cast rounds half up and never carries into the exponent (124.9 -> 64, not
+    # 128); the GPU's is cvt.rn.satfinite (round to nearest even), as torch's cast is: use torch's for that pair
+    _fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar.name == "fp32" and dst_type.scalar.name == "fp8e4nv":
+            codes = torch.from_numpy(src.data.copy()).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(codes, dst_type.scalar)
+        return _fp_to_fp(self, src, dst_type, rounding_mode)
+
+    interpreter.InterpreterBuilder.create_fp_to_fp = fp_to_fp
+
+    # block_fp8_linear (the activation quantized inside the kernel) against quant.quantize_activation_groups followed
+    # by block_fp8_gemm: the same codes and multipliers, the same loop, so the same float32 bits
+    cases = [(1, 64, 256, 64, 1), (5, 200, 384, 64, 4), (16, 128, 512, 128, 2), (17, 96, 256, 64, 1)]
+    for m, n, k, block_n, split_k in cases:
+        x = weight(m, k, torch.bfloat16)  # rows of very different magnitudes, exact in BF16
+        x[0, :128] = 0.0  # an all-zero group: the amax floor
+        wq, ws = quant.quantize_blockwise(weight(n, k, torch.bfloat16))
+        xq, xs = quant.quantize_activation_groups(x, 128)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            unfused = bg.block_fp8_gemm(xq, xs, wq, ws, out_dtype, block_n=block_n, split_k=split_k)
+            fused = bg.block_fp8_linear(x, wq, ws, out_dtype, block_n=block_n, split_k=split_k)
+            assert torch.equal(fused, unfused), (m, n, k, block_n, split_k, out_dtype,
+                                                 (fused.float() - unfused.float()).abs().max())
+        bias = torch.randn(n)
+        assert torch.equal(bg.block_fp8_linear(x, wq, ws, torch.float32, bias, block_n=block_n, split_k=split_k),
+                           bg.block_fp8_gemm(xq, xs, wq, ws, torch.float32, bias, block_n=block_n, split_k=split_k))
+
+    # a NaN activation (a CUDA-graph warm-up on an uninitialized buffer) never raises its group's amax and gives a
+    # finite code: the other tokens' outputs are untouched and no output is NaN from the quantizer
+    x = weight(3, 256, torch.bfloat16)
+    wq, ws = quant.quantize_blockwise(weight(64, 256, torch.bfloat16))
+    clean = bg.block_fp8_linear(x, wq, ws, torch.float32)
+    x[1, 5] = float("nan")
+    dirty = bg.block_fp8_linear(x, wq, ws, torch.float32)
+    assert torch.equal(dirty[0], clean[0]) and torch.equal(dirty[2], clean[2])
+    assert torch.isfinite(dirty).all()
+    assert bg.block_fp8_linear(x[:0], wq, ws).shape == (0, 64)
+    print("fused block_gemm interpreter ok")
+    """
+)
+
+
+def test_fused_activation_quantization_under_the_triton_interpreter() -> None:
+    """block_fp8_linear == quant.quantize_activation_groups + block_fp8_gemm, bit for bit (float32 and BF16 out)."""
+    pytest.importorskip("triton")
+    check_under_interpreter(FUSED_CHECK, "fused block_gemm interpreter ok")
 
 
 @pytest.mark.parametrize(
@@ -92,6 +144,24 @@ def test_block_gemm_rejects_bad_operands(what, change, message) -> None:
     ws = torch.ones(change.get("ws_rows", 2), max(1, k // 128))
     with pytest.raises(ValueError, match=message):
         bg.block_fp8_gemm(xq, xs, wq, ws, block_n=change.get("block_n", 64), split_k=change.get("split_k", 1))
+
+
+@pytest.mark.parametrize(
+    "what, x, message",
+    [
+        ("FP16 activation", torch.zeros(4, 256, dtype=torch.float16), "2-D BF16 tensor"),
+        ("3-D activation", torch.zeros(1, 4, 256, dtype=torch.bfloat16), "2-D BF16 tensor"),
+        ("strided activation", torch.zeros(256, 4, dtype=torch.bfloat16).t(), "contiguous rows"),
+        ("K of another width", torch.zeros(4, 384, dtype=torch.bfloat16), "need the same K"),
+    ],
+)
+def test_block_fp8_linear_rejects_bad_activations(what, x, message) -> None:
+    from sglang_fp8rl.kernels import block_gemm as bg
+
+    wq = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
+    ws = torch.ones(2, 2)
+    with pytest.raises(ValueError, match=message):
+        bg.block_fp8_linear(x, wq, ws)
 
 
 def test_block_m_tiles() -> None:

@@ -202,7 +202,7 @@ def test_versions_invalidate(tmp_path):
 def test_select_lookup_and_fallbacks():
     names = gs.candidate_names()
     assert names[0] == gs.DEFAULT and names == ["deepgemm_default", "deepgemm_sms_124", "deepgemm_sms_112",
-                                                "fp8rl_n64_sk4"]
+                                                "fp8rl_n64_sk4", "fp8rl_fused_n64_sk4"]
     entries = {
         gs.shape_key(24576, 4096, 112): entry("deepgemm_sms_112", {}),
         gs.shape_key(24576, 4096, 128): entry("deepgemm_sms_124", {}, names=names[:-1]),  # other candidate set
@@ -290,8 +290,10 @@ def test_prepare_model_checks_its_arguments():
 
 
 def test_candidate_set_is_configurable():
-    assert list(gs.make_candidates((120, 100), triton=True, ours=((128, 1),))) == [
-        "deepgemm_default", "deepgemm_sms_120", "deepgemm_sms_100", "triton_default", "fp8rl_n128_sk1"]
+    assert list(gs.make_candidates((120, 100), triton=True, ours=((128, 1),), fused=((64, 2),))) == [
+        "deepgemm_default", "deepgemm_sms_120", "deepgemm_sms_100", "triton_default", "fp8rl_n128_sk1",
+        "fp8rl_fused_n64_sk2"]
+    assert list(gs.make_candidates((), ours=(), fused=())) == ["deepgemm_default"]
 
 
 def test_choose():
@@ -318,10 +320,11 @@ def test_can_implement_says_why_not():
     assert "Triton" in s124.can_implement(4096 + 32, 4096, on)
     assert "Triton" in s124.can_implement(4096, 4096 + 64, on)
     assert "num_sms" in s132.can_implement(4096, 4096, on)
-    ours = gs.make_candidates()["fp8rl_n64_sk4"]
-    assert ours.can_implement(4096, 4096, off, m=16) is None  # needs no DeepGEMM
-    assert "M 17" in ours.can_implement(4096, 4096, on, m=17)
-    assert "K 4000" in ours.can_implement(4096, 4000, on, m=8)
+    for name in ("fp8rl_n64_sk4", "fp8rl_fused_n64_sk4"):
+        ours = gs.make_candidates()[name]
+        assert ours.can_implement(4096, 4096, off, m=16) is None  # needs no DeepGEMM
+        assert "M 17" in ours.can_implement(4096, 4096, on, m=17)
+        assert "K 4000" in ours.can_implement(4096, 4000, on, m=8)
 
 
 def test_format_table():

@@ -51,6 +51,30 @@ def test_grouped_quantizer_compiles_for_sm90_with_16_byte_accesses(in_kind):
     assert "ld.global.b16" not in ptx and "st.global.b8" not in ptx
 
 
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_block_gemm_with_the_activation_quantized_inside_compiles_for_sm90(split_k):
+    """block_fp8_linear's kernel (QUANT_X) as gemm_select's fused candidate launches it at M <= 16: the quantizer's
+    arithmetic is there (correctly rounded divisions, RNE E4M3 codes) and the product is Hopper's FP8 warpgroup MMA
+    (64 weight rows x 16 tokens, as the unfused kernel's)."""
+    from sglang_fp8rl.kernels import block_gemm
+
+    constexprs = {"GROUP": 128, "W_BLOCK_N": 128, "BLOCK_N": 64, "BLOCK_M": 16, "SPLIT_K": split_k,
+                  "HAS_BIAS": False, "QUANT_X": True}
+    pointers = {"x_ptr": "*bf16", "xs_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16",
+                "bias_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    ints = dict.fromkeys(["M", "N", "K_GROUPS", "GROUPS_PER_SPLIT", "stride_xm", "stride_xsm", "stride_xsg",
+                          "stride_wn", "stride_wsn", "stride_wsg", "stride_om"], "i32")
+    signature = {**pointers, **ints, **dict.fromkeys(constexprs, "constexpr"), "FP8_MAX": "constexpr",
+                 "AMAX_FLOOR_BITS": "constexpr"}
+    constexprs.update(FP8_MAX=FP8_MAX, AMAX_FLOOR_BITS=block_gemm._AMAX_FLOOR_BITS)
+    compiled = triton.compile(ASTSource(fn=block_gemm._block_fp8_gemm_kernel, signature=signature,
+                                        constexprs=constexprs), target=HOPPER, options={"num_warps": 4,
+                                                                                        "num_stages": 4})
+    ptx = compiled.asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2" in ptx and "div.rn.f32" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in ptx  # the codes go to the MMA as E4M3
+
+
 def test_split_kv_attention_reads_its_cache_pipelined_and_vectorized_for_sm90():
     """The decode-attention kernel as a served call specializes it (scripts/kernel_asm.py): the K/V tiles and page
     slots are asynchronous copies issued ahead of the tile being computed (Triton's software pipeline), never byte

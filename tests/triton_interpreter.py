@@ -17,6 +17,12 @@ def run_under_interpreter(code: str, timeout: int = 300) -> subprocess.Completed
                           timeout=timeout, cwd=REPO_ROOT)
 
 
+def check_under_interpreter(code: str, marker: str, timeout: int = 300) -> None:
+    """Run ``code`` under the interpreter; fail with its output unless it exits 0 having printed ``marker``."""
+    result = run_under_interpreter(code, timeout)
+    assert result.returncode == 0 and marker in result.stdout, result.stdout + result.stderr
+
+
 # The start of every quantizer check run under the interpreter: its FMA made exact (the kernels rely on a fused
 # multiply-add; the interpreter rounds twice), a random seed, and BF16-exact weights with their reference quotients.
 QUANTIZER_PREAMBLE = textwrap.dedent(

@@ -17,6 +17,12 @@ dense model, docs/RESULTS.md sec. 7) want many small weight tiles in flight, not
   acquire-release atomic) sums the partials in split order, so the result is bitwise reproducible run to run. The
   per-tile counters reset themselves, so the kernel is CUDA-graph safe; they are kept per CUDA stream.
 
+* ``QUANT_X`` (:func:`block_fp8_linear`): the kernel takes the BF16 activation and quantizes each 1x128 group it
+  reads, with the arithmetic of :func:`sglang_fp8rl.quant.quantize_activation_groups` (the weight quantizer's
+  primitives, :mod:`sglang_fp8rl.kernels.triton_quant`), so a decode linear is one launch instead of two and its
+  activation codes never go through device memory. Every weight tile's program quantizes the same few tokens again:
+  at M <= 16 that is 16 x 128 values a step, against a 64 x 128 weight tile.
+
 Whether it is used for a shape is decided by measurement only (:mod:`sglang_fp8rl.kernels.gemm_select`).
 """
 
@@ -26,7 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE, DEFAULT_GROUP_SIZE
+from sglang_fp8rl.kernels.triton_quant import (
+    _AMAX_FLOOR_BITS,
+    _abs_bits,
+    _clamped_quotient,
+    _reciprocal,
+    _scale_from_amax_bits,
+)
+from sglang_fp8rl.quant import DEFAULT_BLOCK_SIZE, DEFAULT_GROUP_SIZE, FP8_MAX
 
 GROUP_K = DEFAULT_GROUP_SIZE  # activation group = weight block along K = one K step (the kernel takes no other)
 WEIGHT_BLOCK_N = DEFAULT_BLOCK_SIZE[0]  # weight-scale rows cover this many output channels
@@ -43,7 +56,8 @@ def _block_fp8_gemm_kernel(
     M, N, K_GROUPS, GROUPS_PER_SPLIT,
     stride_xm, stride_xsm, stride_xsg, stride_wn, stride_wsn, stride_wsg, stride_om,
     GROUP: tl.constexpr, W_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr = False,
+    FP8_MAX: tl.constexpr = FP8_MAX, AMAX_FLOOR_BITS: tl.constexpr = _AMAX_FLOOR_BITS,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -63,7 +77,10 @@ def _block_fp8_gemm_kernel(
     for g in range(g_start, g_end):
         w = tl.load(w_ptrs + g * GROUP, mask=n_ok[:, None], other=0.0)
         x = tl.load(x_ptrs + g * GROUP, mask=m_ok[None, :], other=0.0)
-        xs = tl.load(xs_ptrs + g * stride_xsg, mask=m_ok, other=0.0)
+        if QUANT_X:
+            x, xs = _quantize_columns(x, FP8_MAX, AMAX_FLOOR_BITS)
+        else:
+            xs = tl.load(xs_ptrs + g * stride_xsg, mask=m_ok, other=0.0)
         ws = tl.load(ws_row + g * stride_wsg)
         acc += tl.dot(w, x) * (xs * ws)[None, :]
 
@@ -82,6 +99,18 @@ def _block_fp8_gemm_kernel(
             _store_out(acc, out_ptr, bias_ptr, offs_n, offs_m, n_ok, out_mask, stride_om, HAS_BIAS)
     else:
         _store_out(acc, out_ptr, bias_ptr, offs_n, offs_m, n_ok, out_mask, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _quantize_columns(x, FP8_MAX: tl.constexpr, AMAX_FLOOR_BITS: tl.constexpr):
+    """One 1x128 group per token of a BF16 x^T tile [GROUP, BLOCK_M]: its E4M3 codes and dequantization multipliers,
+    as quant.quantize_activation_groups computes them. A NaN never raises the amax (as SGLang's quantizer ignores
+    it) and quantizes to a finite code: a CUDA-graph warm-up on uninitialized buffers writes no FP8 NaN."""
+    bits = _abs_bits(x)
+    amax_bits = tl.max(tl.where(bits > 0x7F800000, 0, bits), 0)
+    scale = _scale_from_amax_bits(amax_bits, FP8_MAX, AMAX_FLOOR_BITS, False)
+    y = _clamped_quotient(x.to(tl.float32), scale[None, :], _reciprocal(scale)[None, :], FP8_MAX)
+    return y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), scale
 
 
 @triton.jit
@@ -109,21 +138,31 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
-def check_operands(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> None:
-    """Raise ValueError naming the operand whose shape or dtype the kernel cannot take."""
-    m, k = xq.shape
+def check_weight(k: int, wq: torch.Tensor, ws: torch.Tensor) -> None:
+    """Raise ValueError naming the weight operand whose shape or dtype does not fit an activation of width ``k``."""
     n = wq.shape[0]
     if k % GROUP_K:
         raise ValueError(f"block_fp8_gemm: K={k} is not a multiple of {GROUP_K}")
-    if wq.shape[1] != k or wq.stride(1) != 1 or xq.stride(1) != 1:
-        raise ValueError(f"block_fp8_gemm: xq {tuple(xq.shape)} and wq {tuple(wq.shape)} need the same K, contiguous")
-    if tuple(xs.shape) != (m, k // GROUP_K):
-        raise ValueError(f"block_fp8_gemm: xs has shape {tuple(xs.shape)}, expected {(m, k // GROUP_K)}")
+    if wq.shape[1] != k or wq.stride(1) != 1:
+        raise ValueError(f"block_fp8_gemm: the activation's K={k} and wq {tuple(wq.shape)} need the same K, "
+                         "contiguous")
     if tuple(ws.shape) != (triton.cdiv(n, WEIGHT_BLOCK_N), k // GROUP_K):
         raise ValueError(f"block_fp8_gemm: ws has shape {tuple(ws.shape)}, expected "
                          f"{(triton.cdiv(n, WEIGHT_BLOCK_N), k // GROUP_K)}")
-    if xs.dtype != torch.float32 or ws.dtype != torch.float32:
-        raise ValueError(f"block_fp8_gemm: scales must be float32, got xs {xs.dtype}, ws {ws.dtype}")
+    if ws.dtype != torch.float32:
+        raise ValueError(f"block_fp8_gemm: scales must be float32, got ws {ws.dtype}")
+
+
+def check_operands(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> None:
+    """Raise ValueError naming the operand whose shape or dtype the kernel cannot take."""
+    m, k = xq.shape
+    check_weight(k, wq, ws)
+    if xq.stride(1) != 1:
+        raise ValueError(f"block_fp8_gemm: xq {tuple(xq.shape)} needs contiguous rows")
+    if tuple(xs.shape) != (m, k // GROUP_K):
+        raise ValueError(f"block_fp8_gemm: xs has shape {tuple(xs.shape)}, expected {(m, k // GROUP_K)}")
+    if xs.dtype != torch.float32:
+        raise ValueError(f"block_fp8_gemm: scales must be float32, got xs {xs.dtype}")
 
 
 def block_fp8_gemm(
@@ -137,13 +176,33 @@ def block_fp8_gemm(
     split_k: int = 1,
 ) -> torch.Tensor:
     """(xq * xs) @ (wq * ws)^T in float32, cast to ``out_dtype`` (+ bias): see the module docstring."""
+    _check_config(block_n, split_k)
+    check_operands(xq, xs, wq, ws)
+    return _launch(xq, xs, wq, ws, out_dtype, bias, block_n, split_k, quant_x=False)
+
+
+def block_fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                     bias: torch.Tensor | None = None, block_n: int = 64, split_k: int = 1) -> torch.Tensor:
+    """x [M, K] BF16 quantized per 1x128 group inside the kernel (``QUANT_X``), then as :func:`block_fp8_gemm`."""
+    _check_config(block_n, split_k)
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"block_fp8_linear: x must be a 2-D BF16 tensor with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    check_weight(x.shape[1], wq, ws)
+    return _launch(x, x, wq, ws, out_dtype, bias, block_n, split_k, quant_x=True)  # x stands in for the unread xs
+
+
+def _check_config(block_n: int, split_k: int) -> None:
     if block_n not in BLOCK_N_CHOICES or split_k not in SPLIT_K_CHOICES:
         raise ValueError(f"block_fp8_gemm: block_n {block_n} / split_k {split_k} not in "
                          f"{BLOCK_N_CHOICES} / {SPLIT_K_CHOICES}")
-    check_operands(xq, xs, wq, ws)
-    m, k = xq.shape
+
+
+def _launch(x: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype,
+            bias: torch.Tensor | None, block_n: int, split_k: int, quant_x: bool) -> torch.Tensor:
+    m, k = x.shape
     n = wq.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
         return out
     block_m = block_m_for(m)
@@ -151,16 +210,16 @@ def block_fp8_gemm(
     split_k = min(split_k, k_groups)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
     if split_k > 1:
-        part = torch.empty(split_k, m, n, dtype=torch.float32, device=xq.device)
-        counts = _counters(xq.device, grid[0] * grid[1])
+        part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        counts = _counters(x.device, grid[0] * grid[1])
     else:
         part = counts = out  # unused
     _block_fp8_gemm_kernel[grid](
-        xq, xs, wq, ws, out, bias if bias is not None else out, part, counts,
+        x, xs, wq, ws, out, bias if bias is not None else out, part, counts,
         m, n, k_groups, triton.cdiv(k_groups, split_k),
-        xq.stride(0), xs.stride(0), xs.stride(1), wq.stride(0), ws.stride(0), ws.stride(1), out.stride(0),
+        x.stride(0), xs.stride(0), xs.stride(1), wq.stride(0), ws.stride(0), ws.stride(1), out.stride(0),
         GROUP=GROUP_K, W_BLOCK_N=WEIGHT_BLOCK_N, BLOCK_N=block_n, BLOCK_M=block_m, SPLIT_K=split_k,
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=bias is not None, QUANT_X=quant_x,
         num_warps=8 if block_m * block_n >= 8192 else 4, num_stages=4 if block_m <= 64 else 3,
     )
     return out

@@ -8,7 +8,8 @@ selector's REL_TOL (1e-2 relative Frobenius error). A BF16 output alone costs ~1
 less, but every candidate quantizes the activation itself with SGLang's group quantizer, whose E4M3 codes may
 differ by one step from the reference's in a few elements (a different division), which costs up to a few 1e-3;
 an error in a scale, a tile or a split would cost O(1).
-Plus: our split-K kernel is bitwise reproducible and gives the same bits inside a CUDA graph.
+Plus: our split-K kernel is bitwise reproducible and gives the same bits inside a CUDA graph, and its fused form
+(the activation quantized inside the kernel) gives the unfused kernel's bits on the reference's activation codes.
 """
 
 from __future__ import annotations
@@ -131,6 +132,33 @@ def test_ours_is_reproducible_and_graph_safe(split_k):
         assert torch.equal(captured, eager[0])
     ref = gs.block_scaled_reference(xq, xs, wq, ws)
     assert gs.rel_error(eager[0], ref) <= BOUND
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+def test_fused_activation_quantization_equals_the_unfused_kernel_bit_for_bit(split_k):
+    """block_fp8_linear (the BF16 activation quantized inside the kernel) == quant.quantize_activation_groups (on
+    the GPU: torch's correctly rounded division) + block_fp8_gemm, on every shape at M <= 16, eager and replayed in a
+    CUDA graph; the CPU interpreter checks the same on small shapes (tests/test_block_gemm_interpreter.py)."""
+    from sglang_fp8rl.kernels.block_gemm import block_fp8_gemm, block_fp8_linear
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for n, k in SHAPES:
+        wq, ws = gs.random_block_weight(n, k, "cuda", gen)
+        for m in (1, 7, 16):
+            x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+            x = x * torch.exp(torch.randn(m, 1, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+            xq, xs = quantize_activation_groups(x, 128)
+            unfused = block_fp8_gemm(xq, xs, wq, ws, split_k=split_k)
+            fused = block_fp8_linear(x, wq, ws, split_k=split_k)
+            assert torch.equal(fused, unfused), f"N={n} K={k} M={m} split_k={split_k} (seed {seed})"
+    graph = torch.cuda.CUDAGraph()
+    block_fp8_linear(x, wq, ws, split_k=split_k)  # compiled before the capture
+    with torch.cuda.graph(graph):
+        captured = block_fp8_linear(x, wq, ws, split_k=split_k)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, unfused)
 
 
 def test_shape_list_covers_the_issue():

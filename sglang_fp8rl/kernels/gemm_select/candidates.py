@@ -9,6 +9,10 @@ fp32, bias | None) -> [.., N]``, what each can run (and why not), and the one ch
   ``num_sms`` is host state read when the launch is built, so a captured CUDA graph keeps the launch it recorded;
 * ``fp8rl_n64_sk4``: our decode kernel (:mod:`sglang_fp8rl.kernels.block_gemm`, swap-AB, deterministic split-K)
   after SGLang's 1x128 activation quantization, tried at M <= 16 only;
+* ``fp8rl_fused_n64_sk4``: the same kernel quantizing the BF16 activation itself (``block_fp8_linear``: one launch
+  a linear, not two), tried at M <= 16 only; its activation codes are ``quant.quantize_activation_groups``' (SGLang's
+  quantizer multiplies by 448 / amax where that divides by amax / 448: a code may differ by one step), so it is
+  checked against the float64 product like every candidate. A non-BF16 activation takes the unfused path;
 * ``triton_default`` (SGLang's ``triton_w8a8_block_fp8_linear``) and our other kernel configurations are candidates
   of ``scripts/bench_gemm.py`` but not of the server: on an H100 they never won a bucket (docs/RESULTS.md, sec. 7b).
 """
@@ -20,6 +24,8 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import torch
 
 from sglang_fp8rl.kernels.deepgemm import (
     DeepGemmFacts,
@@ -42,6 +48,9 @@ DEFAULT_SMS = (124, 112)  # num_sms variants: 124 / 112 fix gate_up at M 80-128 
 OURS_CONFIGS = ((64, 4),)
 ALL_OURS_CONFIGS = ((64, 1), (64, 2), (64, 4), (128, 1))
 OURS_MAX_M = 16
+# (block_n, split_k) of block_gemm's fused form (the activation quantized in the kernel) kept as candidates
+FUSED_CONFIGS = ((64, 4),)
+FUSED_PREFIX = OURS_PREFIX + "fused_"
 MIN_GAIN = 0.03  # a non-default candidate must beat the default by this fraction
 
 GemmFn = Callable[[Any, Any, Any, Any], Any]
@@ -124,10 +133,28 @@ def _ours_fn(block_n: int, split_k: int) -> GemmFn:
     return fn
 
 
+def _fused_fn(block_n: int, split_k: int) -> GemmFn:
+    unfused = _ours_fn(block_n, split_k)
+
+    def fn(x: Any, weight: Any, scale: Any, bias: Any) -> Any:
+        from sglang_fp8rl.kernels.block_gemm import block_fp8_linear  # Triton, at the first call (as _ours_fn)
+
+        x2d = x.reshape(-1, x.shape[-1])
+        if x2d.dtype != torch.bfloat16:  # the in-kernel quantizer reads BF16 bits
+            return unfused(x, weight, scale, bias)
+        out = block_fp8_linear(x2d.contiguous(), weight, scale, x.dtype, bias, block_n=block_n, split_k=split_k)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    fn.__name__ = f"{FUSED_PREFIX}n{block_n}_sk{split_k}"
+    return fn
+
+
 def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = False,
-                    ours: Sequence[tuple[int, int]] = OURS_CONFIGS) -> dict[str, Candidate]:
+                    ours: Sequence[tuple[int, int]] = OURS_CONFIGS,
+                    fused: Sequence[tuple[int, int]] = FUSED_CONFIGS) -> dict[str, Candidate]:
     """The registry: default first (the autotune relies on that order), num_sms variants, Triton (off by default:
-    SGLang's untuned Triton block GEMM never won a bucket on an H100), ours."""
+    SGLang's untuned Triton block GEMM never won a bucket on an H100), ours, ours with the activation quantized in
+    the kernel."""
     reg = {DEFAULT: Candidate(DEFAULT, _default_fn)}
     for n in sms:
         reg[f"{SMS_PREFIX}{n}"] = Candidate(f"{SMS_PREFIX}{n}", _sms_fn(int(n)), needs_deepgemm=True, num_sms=int(n))
@@ -136,6 +163,9 @@ def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = False,
     for block_n, split_k in ours:
         name = f"{OURS_PREFIX}n{block_n}_sk{split_k}"
         reg[name] = Candidate(name, _ours_fn(block_n, split_k), max_m=OURS_MAX_M, k_multiple=BLOCK[1])
+    for block_n, split_k in fused:
+        name = f"{FUSED_PREFIX}n{block_n}_sk{split_k}"
+        reg[name] = Candidate(name, _fused_fn(block_n, split_k), max_m=OURS_MAX_M, k_multiple=BLOCK[1])
     return reg
 
 
