@@ -15,8 +15,7 @@ dense model, docs/RESULTS.md sec. 7) want many small weight tiles in flight, not
 * split-K (``split_k`` 2 or 4) for narrow N (4096 rows = 64 tiles, half of an H100), with a deterministic
   reduction: every split stores its float32 partial, and the last split of a tile to finish (counted with an
   acquire-release atomic) sums the partials in split order, so the result is bitwise reproducible run to run. The
-  per-tile counters reset themselves, so the kernel is CUDA-graph safe; they are kept per CUDA stream.
-
+  per-tile counters reset themselves, so the kernel is CUDA-graph safe; they are kept per CUDA stream;
 * ``QUANT_X`` (:func:`block_fp8_linear`): the kernel takes the BF16 activation and quantizes each 1x128 group it
   reads, with the arithmetic of :func:`sglang_fp8rl.quant.quantize_activation_groups` (the weight quantizer's
   primitives, :mod:`sglang_fp8rl.kernels.triton_quant`), so a decode linear is one launch instead of two and its
