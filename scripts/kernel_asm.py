@@ -9,7 +9,7 @@ shared memory, whether the cache reads are asynchronous copies (software-pipelin
 instruction mix of the loop in SASS (per thread, and per tile for all warps). A kernel bound by bandwidth needs few
 instructions per byte; this is how many it has (docs/RESULTS.md 28f).
 
-  python scripts/kernel_asm.py [--block-n 128] [--warps 4] [--stages 3]
+  python scripts/kernel_asm.py [--block-n 128] [--warps 4] [--stages 3] [--v-widen-tile]
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ _POINTER_TYPES = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv",
 
 
 @functools.cache  # a compile takes seconds: once per configuration and process
-def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, group: int = 4) -> dict:
+def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, group: int = 4,
+                         v_widen_tile: bool = False) -> dict:
     """The split kernel's sm90 TTGIR, PTX, cubin and shared memory, as the default served call specializes it."""
     import inspect
 
@@ -45,7 +46,7 @@ def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, gr
     kernel = FDA._decode_attn_split_kernel
     names = list(inspect.signature(kernel.fn).parameters)
     constexprs = dict(PAGE_SIZE=1, GROUP=group, BLOCK_H=max(FDA.MIN_BLOCK_H, group), HEAD_DIM=128, BLOCK_N=block_n,
-                      BLOCK_B=8, MAX_SPLITS=FDA.MAX_SPLITS, FINE=FDA.FINE, PREPLAN=True)
+                      BLOCK_B=8, MAX_SPLITS=FDA.MAX_SPLITS, FINE=FDA.FINE, PREPLAN=True, V_WIDEN_TILE=v_widen_tile)
     signature = {}
     for name in names:
         if name in constexprs:
@@ -106,8 +107,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--block-n", type=int, default=128)
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--v-widen-tile", action="store_true",
+                   help="V widened on its tile (fp8_decode_attention.V_WIDEN_TILE)")
     a = p.parse_args(argv)
-    asm = compile_split_kernel(a.block_n, a.warps, a.stages)
+    asm = compile_split_kernel(a.block_n, a.warps, a.stages, v_widen_tile=a.v_widen_tile)
     print(json.dumps(report(asm, a.warps, a.block_n), indent=1))
     return 0
 

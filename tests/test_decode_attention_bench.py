@@ -56,6 +56,23 @@ def test_report_with_flashinfer_columns():
     assert "| - |" in rows[1]
 
 
+def test_report_with_both_optional_kernels():
+    """--flashinfer and --v-widen-tile together: a column of times and of ratios each, the errors in that order."""
+    result = json.loads(RECORDED["h200"].read_text())
+    k = result["cells"][0]["kernels"]
+    err = {"max_abs": 2e-3, "max_rel": 0.0, "ref_max": 1.0}
+    k["fi_fp8"] = {"us": k["fa3_fp8"]["us"] / 0.5, "of_copy_bw": 0.2, "error": err}
+    k["split_kv_vtile"] = {"us": k["fa3_fp8"]["us"] / 2.0, "of_copy_bw": 0.6, "error": err, "same_bits": True}
+    lines = bench().report(result).splitlines()
+    header = next(line for line in lines if line.startswith("| bs x context"))
+    assert header.index("FlashInfer FP8 us") < header.index("split-KV, V widened on its tile us")
+    assert header.endswith("max abs err FA3 FP8 / split-KV / FlashInfer FP8 / split-KV, V widened on its tile |")
+    rows = [line for line in lines if line[:3].strip("| ").isdigit()]
+    assert all(row.count("|") == header.count("|") for row in rows)
+    assert lines[lines.index(header) + 1].count("|") == header.count("|")
+    assert "| 0.50x | 2.00x |" in rows[0] and rows[0].endswith("/2.00e-03/2.00e-03 |")
+
+
 def test_the_kernels_plan_at_equal_lengths_was_among_the_best_measured_on_the_h100():
     """At equal lengths the plan (plan_splits over work_budget) gives each sequence the splits of the recorded H100
     sweep (which swept split counts, before the plan) that were within 10 % of the best at the default tile, stages
@@ -106,5 +123,5 @@ def test_command_line():
     proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu/bench_decode_attention.py"), "--help"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    for flag in ("--out", "--quick", "--deadline-s", "--no-sweep", "--cells", "--flashinfer"):
+    for flag in ("--out", "--quick", "--deadline-s", "--no-sweep", "--cells", "--flashinfer", "--v-widen-tile"):
         assert flag in proc.stdout

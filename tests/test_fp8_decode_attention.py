@@ -201,6 +201,15 @@ def test_cannot_run_names_the_problem_and_the_call_refuses(change, reason) -> No
         fda.fp8_decode_attention(*args, case["softmax_scale"], case["k_descale"], case["v_descale"])
 
 
+@pytest.mark.parametrize("keyword, value", [("fine", 0), ("preplan", 1), ("v_widen_tile", "yes")])
+def test_bad_options_are_refused_by_name(keyword, value) -> None:
+    case = _operands()
+    args = [case[k] for k in ("q", "k_cache", "v_cache", "page_table", "cache_seqlens", "softmax_scale", "k_descale",
+                              "v_descale")]
+    with pytest.raises(ValueError, match=f"fp8_decode_attention: {keyword} must be"):
+        fda.fp8_decode_attention(*args, **{keyword: value})
+
+
 def test_cannot_run_takes_sglangs_call() -> None:
     case = _operands()
     assert fda.cannot_run(*[case[k] for k in ("q", "k_cache", "v_cache", "page_table", "cache_seqlens")]) is None

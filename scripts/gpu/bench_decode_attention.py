@@ -11,6 +11,8 @@ to FA3 (a [1] tensor expanded to [batch, kv_heads]). Per cell (running batch x c
   fi_fp8      with --flashinfer: FlashInfer's batch decode on the FP8 cache as SGLang's flashinfer backend calls it
               (tensor cores, a BF16 query, k_scale / v_scale as floats, a CUDA-graph wrapper planned once per cell);
               its first use JIT-compiles the module (the seconds it took are recorded)
+  split_kv_vtile  with --v-widen-tile: the split-KV kernel's default with V widened on its tile (V_WIDEN_TILE),
+              and whether its output has the default's bits
 
 A cell's contexts are all equal, or ragged ("r" cells): lognormal (sigma 1, as an RL batch's contexts spread) with
 the cell's context as their mean, each between 64 tokens and 8x the mean, the same draw for every kernel.
@@ -22,6 +24,7 @@ run as the roofline measures it (scripts/decode_roofline.py: 1 GiB, read + write
 Accuracy: each kernel's output against a float64 reference computed from the same E4M3 query and cache.
 
   python scripts/gpu/bench_decode_attention.py --out /tmp/attn [--quick] [--deadline-s 400] [--flashinfer]
+      [--v-widen-tile]
 """
 from __future__ import annotations
 
@@ -147,6 +150,8 @@ def fa3_calls(cell: Cell, fp8: bool):
     return call
 
 
+# optional kernels of a row (options --flashinfer, --v-widen-tile) and their column names
+OPTIONAL_KERNELS = {"fi_fp8": "FlashInfer FP8", "split_kv_vtile": "split-KV, V widened on its tile"}
 FI_WORKSPACE_BYTES = 256 << 20  # SGLang's flashinfer backend allocates this much float workspace (its default)
 
 
@@ -178,7 +183,7 @@ def fi_calls(cell: Cell):
 def split_kv_call(cell: Cell, cfg: dict, sms: int):
     """The kernel's call on a cell with ``cfg``'s variant, its work budget and its plan's largest split count."""
     budget = FDA.work_budget(KV_HEADS, sms, cfg.get("per_sm", FDA.RESIDENT_PER_SM))
-    kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "fine", "preplan") if k in cfg}
+    kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "fine", "preplan", "v_widen_tile") if k in cfg}
     splits = max(FDA.plan_splits(cell.lengths, budget, kw.get("block_n", FDA.DEFAULT_BLOCK_N),
                                  kw.get("fine", FDA.FINE)))
 
@@ -208,7 +213,8 @@ def variants(sweep: dict) -> list[dict]:
     return [dict(zip(keys, values)) for values in itertools.product(*(sweep[k] for k in keys))]
 
 
-def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float, flashinfer: bool = False) -> dict:
+def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float, flashinfer: bool = False,
+             v_widen_tile: bool = False) -> dict:
     ref = cell.reference()
     row = {"batch": cell.batch, "context": cell.context, "ragged": cell.ragged, "max_context": max(cell.lengths),
            "copies": cell.copies, "kernels": {}, "sweep": []}
@@ -233,6 +239,12 @@ def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float, flas
     us = time_graph(default_call, cell.copies)
     row["kernels"]["split_kv"] = {"us": us, **plan, "gbps": nbytes / us / 1e3,
                                   "of_copy_bw": nbytes / us / 1e3 / bw, "error": error_vs(ref, default_call(0))}
+    if v_widen_tile:  # the same configuration with V widened on its tile: also the same bits as the default's
+        tile_call, _ = split_kv_call(cell, {"v_widen_tile": True}, sms)
+        us = time_graph(tile_call, cell.copies)
+        row["kernels"]["split_kv_vtile"] = {"us": us, "gbps": nbytes / us / 1e3, "of_copy_bw": nbytes / us / 1e3 / bw,
+                                            "error": error_vs(ref, tile_call(0)),
+                                            "same_bits": bool(torch.equal(tile_call(0), default_call(0)))}
     for cfg in variants(sweep):
         if time.time() > deadline:
             row["sweep_cut"] = True
@@ -269,35 +281,33 @@ def report(result: dict) -> str:
     bw = result["copy_gbps"]
     lines = [f"## FP8-KV decode attention: split-KV (this package) vs FlashAttention-3, {result['device']}",
              f"copy bandwidth {bw:,.0f} GB/s; {HEADS} query heads, {KV_HEADS} KV heads, head dim {DIM}, page size 1; "
-             f"{result['date']}", "",
-             "| bs x context | FA3 BF16 us (% copy BW) | FA3 FP8 us (%) | split-KV default us (%) | best sweep us (%) "
-             "| best config | FA3 FP8 / split-KV | max abs err FA3 FP8 / split-KV |",
-             "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
-    with_fi = any("fi_fp8" in row["kernels"] for row in result["cells"])
-    if with_fi:
-        lines[-2] = lines[-2].replace(" | best sweep", " | FlashInfer FP8 us (%) | best sweep")
-        lines[-2] = lines[-2].replace(" | max abs err FA3 FP8 / split-KV |",
-                                      " | FA3 FP8 / FlashInfer FP8 | max abs err FA3 FP8 / split-KV / FlashInfer FP8 |")
-        lines[-1] = "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |"
+             f"{result['date']}", ""]
+    extra = [name for name in OPTIONAL_KERNELS if any(name in row["kernels"] for row in result["cells"])]
+    names = [OPTIONAL_KERNELS[name] for name in extra]
+    header = (["bs x context", "FA3 BF16 us (% copy BW)", "FA3 FP8 us (%)", "split-KV default us (%)"]
+              + [f"{x} us (%)" for x in names] + ["best sweep us (%)", "best config", "FA3 FP8 / split-KV"]
+              + [f"FA3 FP8 / {x}" for x in names] + ["max abs err " + " / ".join(["FA3 FP8", "split-KV", *names])])
+    align = ["---"] + ["---:"] * (4 + len(extra)) + ["---"] + ["---:"] * (1 + len(extra)) + ["---"]
+    lines += ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
     for row in result["cells"]:
         k = row["kernels"]
 
         def cellfmt(name, k=k):
             d = k.get(name, {})
             return f"{d['us']:.1f} ({100 * d['of_copy_bw']:.0f} %)" if "us" in d else "-"
+
+        def fa3_over(name, k=k):
+            return f"{k['fa3_fp8']['us'] / k[name]['us']:.2f}x" if "us" in k.get("fa3_fp8", {}) and \
+                "us" in k.get(name, {}) else "-"
         best = row.get("best")
         best_txt = f"{best['us']:.1f} ({100 * best['gbps'] / bw:.0f} %)" if best else "-"
         cfg = f"n{best['block_n']} w{best['num_warps']} s{best['num_stages']}, {work_of(best)}" if best else "-"
-        ratio = (f"{k['fa3_fp8']['us'] / k['split_kv']['us']:.2f}x" if "us" in k.get("fa3_fp8", {}) else "-")
         errs = "/".join(f"{k[n]['error']['max_abs']:.2e}" if "error" in k.get(n, {}) else "-"
-                        for n in ("fa3_fp8", "split_kv", *(("fi_fp8",) if with_fi else ())))
-        fi = ""
-        if with_fi:
-            fi_ratio = (f"{k['fa3_fp8']['us'] / k['fi_fp8']['us']:.2f}x"
-                        if "us" in k.get("fa3_fp8", {}) and "us" in k.get("fi_fp8", {}) else "-")
-            fi, ratio = f" {cellfmt('fi_fp8')} |", f"{ratio} | {fi_ratio}"
+                        for n in ("fa3_fp8", "split_kv", *extra))
+        times = "".join(f" {cellfmt(n)} |" for n in extra)
+        ratios = " | ".join([fa3_over("split_kv"), *(fa3_over(n) for n in extra)])
         lines.append(f"| {cell_label(row)} | {cellfmt('fa3_bf16')} | {cellfmt('fa3_fp8')} | "
-                     f"{cellfmt('split_kv')} |{fi} {best_txt} | {cfg} | {ratio} | {errs} |")
+                     f"{cellfmt('split_kv')} |{times} {best_txt} | {cfg} | {ratios} | {errs} |")
     return "\n".join(lines) + "\n"
 
 
@@ -311,6 +321,8 @@ def main() -> int:
                    help="equal contexts, ragged ones (lognormal), or both (default)")
     p.add_argument("--flashinfer", action="store_true",
                    help="also FlashInfer's FP8-KV decode as SGLang's flashinfer backend calls it (JIT on first use)")
+    p.add_argument("--v-widen-tile", action="store_true",
+                   help="also the split-KV kernel with V widened on its tile (fp8_decode_attention.V_WIDEN_TILE)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -335,7 +347,7 @@ def main() -> int:
         cell_deadline = t0 + args.deadline_s * (i + 1) / len(cells)
         cell = Cell(batch, context, dev, bf16=True, ragged=ragged)
         result["cells"].append(run_cell(cell, sweep, props.multi_processor_count, bw, cell_deadline,
-                                        flashinfer=args.flashinfer))
+                                        flashinfer=args.flashinfer, v_widen_tile=args.v_widen_tile))
         del cell
         torch.cuda.empty_cache()
         print(report(result).splitlines()[-1], flush=True)

@@ -27,10 +27,14 @@ K, V and the query are widened to FP16 in registers (E4M3 -> FP16 is exact); the
 MMAs with float32 accumulation, P rounded to FP16 (FA3's FP8 path rounds it to E4M3). That widening is most of the
 loop's instructions (V is unpacked byte by byte as the transposed MMA operand): ``scripts/kernel_asm.py`` reads the
 compiled loop (docs/RESULTS.md sec. 28f); a form with the tokens on the MMA's M side and 22 % fewer instructions was
-not faster on an H100 (sec. 29a) and was removed.
+not faster on an H100 (sec. 29a) and was removed. ``v_widen_tile`` (``V_WIDEN_TILE``, off) widens V on its tile as
+loaded and hands the FP16 tile to the MMA through shared memory: no byte loads, a third fewer instructions, the same
+bits (sec. 30f); not measured on a GPU yet.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -64,6 +68,12 @@ PLAN_BLOCK_P = 64  # split-launch programs one program of the plan launch descri
 # H200 sweep of docs/RESULTS.md sec. 26a, against the same tile and FINE without it, 0.87-1.00x the time (geometric
 # mean over the tiles) at each of its 13 cells; at the default tile 1 x 12288 took 19.3 us instead of 23.5
 PREPLAN = True
+# V widened on its loaded tile and handed to the MMA through shared memory as FP16, instead of read back from shared
+# memory one byte at a time as the transposed MMA operand: 734 instead of 1,105 SASS instructions a thread a tile, no
+# LDS.U8, 74 KB of shared memory instead of 41 KB (scripts/kernel_asm.py --v-widen-tile). Not measured on a GPU yet,
+# so off: scripts/gpu/bench_decode_attention.py --v-widen-tile compares the two forms
+V_WIDEN_TILE = False
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no inline PTX: the plain widening
 # what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
 # caller may run another kernel instead; a kernel that compiled never raises these
 BUILD_ERRORS = (CompilationError, OutOfResources)
@@ -126,6 +136,15 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def _widen_tile(v8):
+    """E4M3 -> FP16 (exact) by ``cvt.rn.f16x2.e4m3x2``, as an opaque (impure) op: Triton cannot move it into the MMA
+    operand's layout, so the widening runs on the tile as loaded and the MMA reads FP16 through shared memory."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [v8.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def _decode_attn_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seqlens_ptr, k_descale_ptr, v_descale_ptr, part_o_ptr, part_lse_ptr,
     stride_q_tok, stride_q_head,
@@ -135,7 +154,7 @@ def _decode_attn_split_kernel(
     scale_log2, num_heads, batch, budget, plan_ptr, programs,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
-    PREPLAN: tl.constexpr,
+    PREPLAN: tl.constexpr, V_WIDEN_TILE: tl.constexpr = False,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -183,7 +202,11 @@ def _decode_attn_split_kernel(
         k = tl.load(k_base + k_rows[:, None], mask=pos_ok[:, None], other=0.0)
         s = tl.where(pos_ok[None, :], tl.dot(q, tl.trans(k.to(tl.float16))) * row_scale, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        v = tl.load(v_base + v_rows[:, None], mask=pos_ok[:, None], other=0.0).to(tl.float16)
+        v = tl.load(v_base + v_rows[:, None], mask=pos_ok[:, None], other=0.0)
+        if V_WIDEN_TILE:
+            v = _widen_tile(v)
+        else:
+            v = v.to(tl.float16)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
 
     filled = l_i > 0.0  # an empty split (a sequence of length 0) has no tile
@@ -292,6 +315,7 @@ def fp8_decode_attention(
     num_stages: int = DEFAULT_STAGES,
     fine: int = FINE,
     preplan: bool = PREPLAN,
+    v_widen_tile: bool = V_WIDEN_TILE,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V per sequence and query head, K/V read from the FP8 cache: see the module docstring.
 
@@ -300,15 +324,17 @@ def fp8_decode_attention(
     [B, H_kv] (a scalar or per-head scale expanded); ``budget``: programs per KV head to share the step's tiles among
     (default ``work_budget``); ``fine``: how many times smaller than the even share the programs of a plan that does
     not fit one wave are (the grid holds ``grid_programs`` of them); ``preplan``: one small launch writes the plan
-    first and the two kernels read their part of it, instead of every program computing it. Returns ``out`` (or a
-    new tensor) [B, H, D] in BF16."""
+    first and the two kernels read their part of it, instead of every program computing it; ``v_widen_tile``: V
+    widened on its tile (``V_WIDEN_TILE``; the same values reach the MMA). Returns ``out`` (or a new tensor)
+    [B, H, D] in BF16."""
     reason = cannot_run(q, k_cache, v_cache, page_table, cache_seqlens)
     if reason:
         raise ValueError(f"fp8_decode_attention: {reason}")
     if not isinstance(fine, int) or fine < 1:
         raise ValueError(f"fp8_decode_attention: fine must be an int >= 1, got {fine!r}")
-    if not isinstance(preplan, bool):
-        raise ValueError(f"fp8_decode_attention: preplan must be a bool, got {preplan!r}")
+    for name, flag in (("preplan", preplan), ("v_widen_tile", v_widen_tile)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"fp8_decode_attention: {name} must be a bool, got {flag!r}")
     batch, heads, dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -337,7 +363,8 @@ def fp8_decode_attention(
         page_table.stride(0), k_descale.stride(0), k_descale.stride(1), v_descale.stride(0), v_descale.stride(1),
         float(softmax_scale) * LOG2E, heads, batch, budget, plan_buf, programs,
         PAGE_SIZE=page_size, GROUP=group, BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), HEAD_DIM=dim,
-        num_warps=num_warps, num_stages=num_stages, PREPLAN=preplan, **plan,
+        num_warps=num_warps, num_stages=num_stages, PREPLAN=preplan, V_WIDEN_TILE=v_widen_tile and not _INTERPRETED,
+        **plan,
     )
     out3 = out.view(batch, heads, dim)
     _decode_attn_merge_kernel[(batch, heads)](

@@ -41,6 +41,19 @@ def test_matches_the_float64_reference(batch, kv_heads, group, dim, page, lens):
     assert torch.equal(out16, run(gpu)), "not deterministic"
 
 
+@pytest.mark.parametrize("batch,kv_heads,group,dim,page,lens", CASES)
+def test_v_widened_on_its_tile_gives_the_default_loops_bits(batch, kv_heads, group, dim, page, lens):
+    """V_WIDEN_TILE changes where V is widened (on its tile, through shared memory), not the values the MMA reads:
+    the output is the default loop's, bit for bit, in float32 and BF16."""
+    gpu = on_cuda(paged_case(batch + 100, batch, kv_heads, group, dim, page, lens))
+    for dtype in (torch.float32, torch.bfloat16):
+        shape = (batch, kv_heads * group, dim)
+        default, tile = (torch.empty(shape, dtype=dtype, device="cuda") for _ in range(2))
+        run(gpu, out=default)
+        run(gpu, out=tile, v_widen_tile=True)
+        assert torch.equal(tile, default), (dtype, (tile.float() - default.float()).abs().max())
+
+
 def test_agrees_with_fa3_fp8_decode():
     flash_attn = pytest.importorskip("sgl_kernel.flash_attn")
     case = on_cuda(paged_case(7, 8, 8, 4, 128, 1, [64, 300, 1024, 4000, 5, 777, 2048, 129]))
