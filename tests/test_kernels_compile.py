@@ -103,6 +103,7 @@ def test_v_widened_on_its_tile_takes_no_byte_loads_and_fewer_instructions():
     tile_asm = kernel_asm.compile_split_kernel(v_widen_tile=True)
     tile = kernel_asm.report(tile_asm, warps=4, block_n=128)
     assert "cvt.rn.f16x2.e4m3x2" in tile_asm["ptx"]
+
     def byte_loads(asm):
         return sum(kernel_asm.opcode(x) == "LDS.U8" for x in kernel_asm.loop_body(kernel_asm.sass_of(asm["cubin"])))
 
