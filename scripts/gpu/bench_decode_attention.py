@@ -242,7 +242,7 @@ def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float, flas
     default_out = default_call(0)
     row["kernels"]["split_kv"] = {"us": us, **plan, "gbps": nbytes / us / 1e3,
                                   "of_copy_bw": nbytes / us / 1e3 / bw, "error": error_vs(ref, default_out)}
-    if v_widen_tile:  # the same configuration with V widened on its tile: also the same bits as the default's
+    if v_widen_tile:  # the same configuration with V widened on its tile; whether its bits are the default's
         tile_call, _ = split_kv_call(cell, {"v_widen_tile": True}, sms)
         us = time_graph(tile_call, cell.copies)
         tile_out = tile_call(0)

@@ -28,8 +28,9 @@ MMAs with float32 accumulation, P rounded to FP16 (FA3's FP8 path rounds it to E
 loop's instructions (V is unpacked byte by byte as the transposed MMA operand): ``scripts/kernel_asm.py`` reads the
 compiled loop (docs/RESULTS.md sec. 28f); a form with the tokens on the MMA's M side and 22 % fewer instructions was
 not faster on an H100 (sec. 29a) and was removed. ``v_widen_tile`` (``V_WIDEN_TILE``, off) widens V on its tile as
-loaded and hands the FP16 tile to the MMA through shared memory: no byte loads, a third fewer instructions, the same
-bits (sec. 30f); not measured on a GPU yet.
+loaded and hands the FP16 tile to the MMA through shared memory: no byte loads, a third fewer instructions (sec. 30f),
+the same error against a float64 reference but not the same bits (its FP32 adds run in another order), and 1-11 %
+slower than the default at 1-32 sequences on an H100, 4-11 % faster at 128-384 (sec. 31b).
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ PLAN_BLOCK_P = 64  # split-launch programs one program of the plan launch descri
 PREPLAN = True
 # V widened on its loaded tile and handed to the MMA through shared memory as FP16, instead of read back from shared
 # memory one byte at a time as the transposed MMA operand: 734 instead of 1,105 SASS instructions a thread a tile, no
-# LDS.U8, 74 KB of shared memory instead of 41 KB (scripts/kernel_asm.py --v-widen-tile). Not measured on a GPU yet,
-# so off: scripts/gpu/bench_decode_attention.py --v-widen-tile compares the two forms
+# LDS.U8, 74 KB of shared memory instead of 41 KB (scripts/kernel_asm.py --v-widen-tile). Off: slower on an H100 at
+# the 1-8 sequences `auto` gives this kernel (docs/RESULTS.md sec. 31b); the H200 is not measured
+# (scripts/gpu/bench_decode_attention.py --v-widen-tile compares the two forms)
 V_WIDEN_TILE = False
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no inline PTX: the plain widening
 # what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
@@ -325,7 +327,7 @@ def fp8_decode_attention(
     (default ``work_budget``); ``fine``: how many times smaller than the even share the programs of a plan that does
     not fit one wave are (the grid holds ``grid_programs`` of them); ``preplan``: one small launch writes the plan
     first and the two kernels read their part of it, instead of every program computing it; ``v_widen_tile``: V
-    widened on its tile (``V_WIDEN_TILE``; the same values reach the MMA). Returns ``out`` (or a new tensor)
+    widened on its tile (``V_WIDEN_TILE``; the same values reach the MMA, added in another order). Returns ``out`` (or a new tensor)
     [B, H, D] in BF16."""
     reason = cannot_run(q, k_cache, v_cache, page_table, cache_seqlens)
     if reason:
