@@ -327,8 +327,8 @@ def fp8_decode_attention(
     (default ``work_budget``); ``fine``: how many times smaller than the even share the programs of a plan that does
     not fit one wave are (the grid holds ``grid_programs`` of them); ``preplan``: one small launch writes the plan
     first and the two kernels read their part of it, instead of every program computing it; ``v_widen_tile``: V
-    widened on its tile (``V_WIDEN_TILE``; the same values reach the MMA, added in another order). Returns ``out`` (or a new tensor)
-    [B, H, D] in BF16."""
+    widened on its tile (``V_WIDEN_TILE``; the same values reach the MMA, added in another order). Returns ``out``
+    (or a new tensor) [B, H, D] in BF16."""
     reason = cannot_run(q, k_cache, v_cache, page_table, cache_seqlens)
     if reason:
         raise ValueError(f"fp8_decode_attention: {reason}")
