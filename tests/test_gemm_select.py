@@ -202,10 +202,11 @@ def test_versions_invalidate(tmp_path):
 def test_select_lookup_and_fallbacks():
     names = gs.candidate_names()
     assert names[0] == gs.DEFAULT and names == ["deepgemm_default", "deepgemm_sms_124", "deepgemm_sms_112",
-                                                "fp8rl_n64_sk4", "fp8rl_fused_n64_sk4"]
+                                                "fp8rl_n64_sk4"]
     entries = {
         gs.shape_key(24576, 4096, 112): entry("deepgemm_sms_112", {}),
-        gs.shape_key(24576, 4096, 128): entry("deepgemm_sms_124", {}, names=names[:-1]),  # other candidate set
+        # another candidate set
+        gs.shape_key(24576, 4096, 128): entry("deepgemm_sms_124", {}, names=names + ["fp8rl_fused_n64_sk4"]),
         gs.shape_key(4096, 4096, 128): entry("deepgemm_sms_7", {}),  # unknown name
     }
     assert gs.cached_choice(100, 24576, 4096, entries, names) == "deepgemm_sms_112"  # bucket 112
@@ -294,6 +295,9 @@ def test_candidate_set_is_configurable():
         "deepgemm_default", "deepgemm_sms_120", "deepgemm_sms_100", "triton_default", "fp8rl_n128_sk1",
         "fp8rl_fused_n64_sk2"]
     assert list(gs.make_candidates((), ours=(), fused=())) == ["deepgemm_default"]
+    assert list(gs.make_candidates((), ours=(), prefetch=gs.PREFETCH_FORMS)) == [
+        "deepgemm_default", "fp8rl_n64_sk4_pf", "fp8rl_n64_sk4_pfpdl", "fp8rl_n64_sk1_pf", "fp8rl_n64_sk1_pfpdl"]
+    assert gs.ours_name(64, 4) == "fp8rl_n64_sk4"
 
 
 def test_choose():
@@ -320,8 +324,9 @@ def test_can_implement_says_why_not():
     assert "Triton" in s124.can_implement(4096 + 32, 4096, on)
     assert "Triton" in s124.can_implement(4096, 4096 + 64, on)
     assert "num_sms" in s132.can_implement(4096, 4096, on)
-    for name in ("fp8rl_n64_sk4", "fp8rl_fused_n64_sk4"):
-        ours = gs.make_candidates()[name]
+    reg = gs.make_candidates(fused=gs.FUSED_FORMS, prefetch=gs.PREFETCH_FORMS)
+    for name in ("fp8rl_n64_sk4", "fp8rl_fused_n64_sk4", "fp8rl_n64_sk4_pfpdl"):
+        ours = reg[name]
         assert ours.can_implement(4096, 4096, off, m=16) is None  # needs no DeepGEMM
         assert "M 17" in ours.can_implement(4096, 4096, on, m=17)
         assert "K 4000" in ours.can_implement(4096, 4000, on, m=8)

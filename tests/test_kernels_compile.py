@@ -51,28 +51,49 @@ def test_grouped_quantizer_compiles_for_sm90_with_16_byte_accesses(in_kind):
     assert "ld.global.b16" not in ptx and "st.global.b8" not in ptx
 
 
-@pytest.mark.parametrize("split_k", [1, 4])
-def test_block_gemm_with_the_activation_quantized_inside_compiles_for_sm90(split_k):
-    """block_fp8_linear's kernel (QUANT_X) as gemm_select's fused candidate launches it at M <= 16: the quantizer's
-    arithmetic is there (correctly rounded divisions, RNE E4M3 codes) and the product is Hopper's FP8 warpgroup MMA
-    (64 weight rows x 16 tokens, as the unfused kernel's)."""
+def compile_block_gemm(split_k: int, quant_x: bool = False, prefetch: bool = False, pdl: bool = False):
+    """block_gemm's kernel for sm90 as gemm_select launches it at M <= 16 (64 weight rows x 16 tokens)."""
     from sglang_fp8rl.kernels import block_gemm
 
     constexprs = {"GROUP": 128, "W_BLOCK_N": 128, "BLOCK_N": 64, "BLOCK_M": 16, "SPLIT_K": split_k,
-                  "HAS_BIAS": False, "QUANT_X": True}
-    pointers = {"x_ptr": "*bf16", "xs_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16",
-                "bias_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+                  "HAS_BIAS": False, "QUANT_X": quant_x, "FP8_MAX": FP8_MAX,
+                  "AMAX_FLOOR_BITS": block_gemm._AMAX_FLOOR_BITS, "PREFETCH": prefetch, "PDL": pdl}
+    pointers = {"x_ptr": "*bf16" if quant_x else "*fp8e4nv", "xs_ptr": "*bf16" if quant_x else "*fp32",
+                "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16", "bias_ptr": "*bf16", "part_ptr": "*fp32",
+                "count_ptr": "*i32"}
     ints = dict.fromkeys(["M", "N", "K_GROUPS", "GROUPS_PER_SPLIT", "stride_xm", "stride_xsm", "stride_xsg",
                           "stride_wn", "stride_wsn", "stride_wsg", "stride_om"], "i32")
-    signature = {**pointers, **ints, **dict.fromkeys(constexprs, "constexpr"), "FP8_MAX": "constexpr",
-                 "AMAX_FLOOR_BITS": "constexpr"}
-    constexprs.update(FP8_MAX=FP8_MAX, AMAX_FLOOR_BITS=block_gemm._AMAX_FLOOR_BITS)
-    compiled = triton.compile(ASTSource(fn=block_gemm._block_fp8_gemm_kernel, signature=signature,
-                                        constexprs=constexprs), target=HOPPER, options={"num_warps": 4,
-                                                                                        "num_stages": 4})
-    ptx = compiled.asm["ptx"]
+    signature = {**pointers, **ints, **dict.fromkeys(constexprs, "constexpr")}
+    return triton.compile(ASTSource(fn=block_gemm._block_fp8_gemm_kernel, signature=signature, constexprs=constexprs),
+                          target=HOPPER, options={"num_warps": 4, "num_stages": 4, "launch_pdl": pdl})
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_block_gemm_with_the_activation_quantized_inside_compiles_for_sm90(split_k):
+    """block_fp8_linear's kernel (QUANT_X): the quantizer's arithmetic is there (correctly rounded divisions, RNE
+    E4M3 codes) and the product is Hopper's FP8 warpgroup MMA (64 weight rows x 16 tokens, as the unfused kernel's)."""
+    ptx = compile_block_gemm(split_k, quant_x=True).asm["ptx"]
     assert "cvt.rn.satfinite.e4m3x2" in ptx and "div.rn.f32" in ptx
     assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in ptx  # the codes go to the MMA as E4M3
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_block_gemm_prefetches_its_weight_before_it_waits_for_the_kernel_before_it(split_k):
+    """PREFETCH + PDL: one bulk L2 prefetch a weight row, then griddepcontrol.wait before anything reads the
+    activation, launch_dependents after the loop, a kernel marked for programmatic dependent launch; the default has
+    none of them."""
+    plain = compile_block_gemm(split_k)
+    assert "cp.async.bulk.prefetch" not in plain.asm["ptx"] and "griddepcontrol" not in plain.asm["ptx"]
+    assert not plain.metadata.launch_pdl
+    ptx = compile_block_gemm(split_k, prefetch=True, pdl=True).asm["ptx"]
+    prefetch, wait = ptx.index("cp.async.bulk.prefetch.L2.global"), ptx.index("griddepcontrol.wait")
+    first_mma = ptx.index("wgmma.mma_async")
+    assert prefetch < wait < first_mma < ptx.index("griddepcontrol.launch_dependents")
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1  # one row a thread (64 rows, 128 threads)
+    assert "ld.global" not in ptx[:wait]  # nothing is loaded before the wait: the activation, scales and partials
+    assert compile_block_gemm(split_k, prefetch=True, pdl=True).metadata.launch_pdl
+    prefetch_only = compile_block_gemm(split_k, prefetch=True).asm["ptx"]
+    assert "cp.async.bulk.prefetch.L2.global" in prefetch_only and "griddepcontrol" not in prefetch_only
 
 
 def test_split_kv_attention_reads_its_cache_pipelined_and_vectorized_for_sm90():

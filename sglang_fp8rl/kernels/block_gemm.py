@@ -21,15 +21,24 @@ dense model, docs/RESULTS.md sec. 7) want many small weight tiles in flight, not
   primitives, :mod:`sglang_fp8rl.kernels.triton_quant`), so a decode linear is one launch instead of two and its
   activation codes never go through device memory. Every weight tile's program quantizes the same few tokens again:
   at M <= 16 that is 16 x 128 values a step, against a 64 x 128 weight tile.
+* ``PREFETCH`` (``prefetch=True``): before its loop every program asks L2 for its whole weight slice (one bulk
+  prefetch a row, ``cp.async.bulk.prefetch.L2``), so all of a program's weight bytes are in flight from its start
+  instead of the pipeline's few tiles; ``PDL`` (``pdl=True``, with it): the kernel is launched as a programmatic
+  dependent launch and waits for the kernel before it (``griddepcontrol.wait``) only after that prefetch, since the
+  weights never depend on it; the activation, scales, partials and counters are read after the wait. An experiment
+  on the narrow linears' fixed cost (docs/RESULTS.md sec. 31a), in ``scripts/bench_gemm.py --prefetch`` only.
 
 Whether it is used for a shape is decided by measurement only (:mod:`sglang_fp8rl.kernels.gemm_select`).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from sglang_fp8rl.kernels.triton_quant import (
     _AMAX_FLOOR_BITS,
@@ -47,6 +56,8 @@ SPLIT_K_CHOICES = (1, 2, 4)
 MAX_BLOCK_M = 128
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}  # per (device, stream): int32 per-tile counters
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no inline PTX: no prefetch, no PDL
+PREFETCH_ALIGN = 16  # cp.async.bulk.prefetch takes 16-byte aligned addresses and sizes
 
 
 @triton.jit
@@ -57,6 +68,7 @@ def _block_fp8_gemm_kernel(
     GROUP: tl.constexpr, W_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr = False,
     FP8_MAX: tl.constexpr = FP8_MAX, AMAX_FLOOR_BITS: tl.constexpr = _AMAX_FLOOR_BITS,
+    PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -72,6 +84,12 @@ def _block_fp8_gemm_kernel(
     ws_row = ws_ptr + ((pid_n * BLOCK_N) // W_BLOCK_N) * stride_wsn  # the tile lies in one weight-scale row
     g_start = pid_k * GROUPS_PER_SPLIT
     g_end = tl.minimum(g_start + GROUPS_PER_SPLIT, K_GROUPS)
+    if PREFETCH:
+        if g_end > g_start:  # a trailing split of an uneven K may hold no group
+            _prefetch_rows_to_l2(w_ptr + tl.minimum(offs_n, N - 1) * stride_wn + g_start * GROUP,
+                                 (g_end - g_start) * GROUP + tl.zeros_like(offs_n))
+    if PDL:
+        gdc_wait()  # everything below may read what the kernel before this one wrote
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for g in range(g_start, g_end):
         w = tl.load(w_ptrs + g * GROUP, mask=n_ok[:, None], other=0.0)
@@ -82,6 +100,8 @@ def _block_fp8_gemm_kernel(
             xs = tl.load(xs_ptrs + g * stride_xsg, mask=m_ok, other=0.0)
         ws = tl.load(ws_row + g * stride_wsg)
         acc += tl.dot(w, x) * (xs * ws)[None, :]
+    if PDL:
+        gdc_launch_dependents()  # the next kernel may start; it waits for this one before reading its output
 
     out_mask = n_ok[:, None] & m_ok[None, :]
     if SPLIT_K > 1:
@@ -110,6 +130,13 @@ def _quantize_columns(x, FP8_MAX: tl.constexpr, AMAX_FLOOR_BITS: tl.constexpr):
     scale = _scale_from_amax_bits(amax_bits, FP8_MAX, AMAX_FLOOR_BITS, False)
     y = _clamped_quotient(x.to(tl.float32), scale[None, :], _reciprocal(scale)[None, :], FP8_MAX)
     return y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), scale
+
+
+@triton.jit
+def _prefetch_rows_to_l2(row_ptrs, nbytes):
+    """One bulk L2 prefetch of ``nbytes`` from each address (16-byte aligned, a multiple of 16 bytes)."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r", [row_ptrs, nbytes],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -173,11 +200,15 @@ def block_fp8_gemm(
     bias: torch.Tensor | None = None,
     block_n: int = 64,
     split_k: int = 1,
+    prefetch: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """(xq * xs) @ (wq * ws)^T in float32, cast to ``out_dtype`` (+ bias): see the module docstring."""
     _check_config(block_n, split_k)
     check_operands(xq, xs, wq, ws)
-    return _launch(xq, xs, wq, ws, out_dtype, bias, block_n, split_k, quant_x=False)
+    if pdl and not prefetch:
+        raise ValueError("block_fp8_gemm: pdl=True needs prefetch=True (the prefetch is what runs before the wait)")
+    return _launch(xq, xs, wq, ws, out_dtype, bias, block_n, split_k, quant_x=False, prefetch=prefetch, pdl=pdl)
 
 
 def block_fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
@@ -198,7 +229,8 @@ def _check_config(block_n: int, split_k: int) -> None:
 
 
 def _launch(x: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype,
-            bias: torch.Tensor | None, block_n: int, split_k: int, quant_x: bool) -> torch.Tensor:
+            bias: torch.Tensor | None, block_n: int, split_k: int, quant_x: bool, prefetch: bool = False,
+            pdl: bool = False) -> torch.Tensor:
     m, k = x.shape
     n = wq.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
@@ -213,12 +245,16 @@ def _launch(x: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
         counts = _counters(x.device, grid[0] * grid[1])
     else:
         part = counts = out  # unused
+    # a weight that is not 16-byte aligned (a view at an odd offset) is read without the prefetch
+    prefetch = (prefetch and not _INTERPRETED and wq.data_ptr() % PREFETCH_ALIGN == 0
+                and wq.stride(0) % PREFETCH_ALIGN == 0)
+    pdl = pdl and prefetch
     _block_fp8_gemm_kernel[grid](
         x, xs, wq, ws, out, bias if bias is not None else out, part, counts,
         m, n, k_groups, triton.cdiv(k_groups, split_k),
         x.stride(0), xs.stride(0), xs.stride(1), wq.stride(0), ws.stride(0), ws.stride(1), out.stride(0),
         GROUP=GROUP_K, W_BLOCK_N=WEIGHT_BLOCK_N, BLOCK_N=block_n, BLOCK_M=block_m, SPLIT_K=split_k,
-        HAS_BIAS=bias is not None, QUANT_X=quant_x,
-        num_warps=8 if block_m * block_n >= 8192 else 4, num_stages=4 if block_m <= 64 else 3,
+        HAS_BIAS=bias is not None, QUANT_X=quant_x, PREFETCH=prefetch, PDL=pdl,
+        num_warps=8 if block_m * block_n >= 8192 else 4, num_stages=4 if block_m <= 64 else 3, launch_pdl=pdl,
     )
     return out

@@ -182,3 +182,36 @@ def test_direct_call_equals_sglangs_linear_bit_for_bit(candidates, monkeypatch, 
             ours = deepgemm.linear_direct(x, wq, ws, b)
             theirs = gs.candidates.sglang_block_call(gs.candidates.default_linear(), x, wq, ws, b)
             assert torch.equal(ours, theirs), f"N={n} K={k} M={m} bias={b is not None}"
+
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("pdl", [False, True], ids=["prefetch", "prefetch+pdl"])
+def test_weight_prefetch_and_pdl_give_the_default_kernels_bits(split_k, pdl):
+    """The weight slice prefetched to L2 (and the programmatic dependent launch) change when bytes move, not the
+    arithmetic: the default kernel's output bit for bit, eagerly and in a CUDA graph whose kernel before the GEMM is
+    the activation's quantizer (the served order), replayed after the activation changed."""
+    from sglang_fp8rl.kernels.block_gemm import block_fp8_gemm
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for n, k in SHAPES:
+        wq, ws = gs.random_block_weight(n, k, "cuda", gen)
+        for m in (1, 7, 16):
+            xq, xs = quantize_activation_groups(torch.randn(m, k, device="cuda", generator=gen), 128)
+            default = block_fp8_gemm(xq, xs, wq, ws, split_k=split_k)
+            tried = block_fp8_gemm(xq, xs, wq, ws, split_k=split_k, prefetch=True, pdl=pdl)
+            assert torch.equal(tried, default), f"N={n} K={k} M={m} split_k={split_k} pdl={pdl} (seed {seed})"
+    x = torch.randn(m, k, device="cuda", generator=gen)
+
+    def linear():
+        xq, xs = quantize_activation_groups(x, 128)
+        return block_fp8_gemm(xq, xs, wq, ws, split_k=split_k, prefetch=True, pdl=pdl)
+
+    linear()  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = linear()
+    x.copy_(torch.randn(m, k, device="cuda", generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    xq, xs = quantize_activation_groups(x, 128)
+    assert torch.equal(captured, block_fp8_gemm(xq, xs, wq, ws, split_k=split_k))

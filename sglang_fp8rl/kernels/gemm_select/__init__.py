@@ -43,17 +43,20 @@ from sglang_fp8rl.kernels.gemm_select.candidates import (
     DEFAULT,
     DEFAULT_SMS,
     FUSED_CONFIGS,
+    FUSED_FORMS,
     FUSED_PREFIX,
     MIN_GAIN,
     OURS_CONFIGS,
     OURS_MAX_M,
     OURS_PREFIX,
+    PREFETCH_FORMS,
     SMS_PREFIX,
     TRITON,
     Candidate,
     candidate_names,
     choose,
     make_candidates,
+    ours_name,
 )
 from sglang_fp8rl.kernels.gemm_select.lookup import apply_selected, install, installed, reset_state, select
 from sglang_fp8rl.kernels.gemm_select.measure import (
@@ -93,8 +96,9 @@ from sglang_fp8rl.kernels.gemm_select.tune import (
 __all__ = [
     "Agree", "agreed_entries",
     "ALL_OURS_CONFIGS", "ALT_BELOW", "BLOCK", "DEFAULT", "DEFAULT_BUDGET_S", "DEFAULT_MAX_M", "DEFAULT_SMS",
-    "ENV_CACHE", "FUSED_CONFIGS", "FUSED_PREFIX", "GEMM_SELECT_MODES", "MIN_GAIN", "OURS_CONFIGS", "OURS_MAX_M",
-    "OURS_PREFIX", "REL_TOL", "SCHEMA",
+    "ENV_CACHE", "FUSED_CONFIGS", "FUSED_FORMS", "FUSED_PREFIX", "GEMM_SELECT_MODES", "MIN_GAIN", "OURS_CONFIGS",
+    "OURS_MAX_M",
+    "OURS_PREFIX", "PREFETCH_FORMS", "REL_TOL", "SCHEMA", "ours_name",
     "SMS_PREFIX", "TRITON", "VARIANT_BELOW", "WARMUP_LOG", "WORKERS_LOG", "apply_selected", "autotune", "Bench",
     "block_scaled_reference", "bucket_points", "buckets_upto", "cache_path", "cached_choice", "Candidate",
     "candidate_names", "captured_in", "check_columns", "choose", "Entry", "env_entries", "env_info", "env_key",

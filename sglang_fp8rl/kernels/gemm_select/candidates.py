@@ -9,12 +9,13 @@ fp32, bias | None) -> [.., N]``, what each can run (and why not), and the one ch
   ``num_sms`` is host state read when the launch is built, so a captured CUDA graph keeps the launch it recorded;
 * ``fp8rl_n64_sk4``: our decode kernel (:mod:`sglang_fp8rl.kernels.block_gemm`, swap-AB, deterministic split-K)
   after SGLang's 1x128 activation quantization, tried at M <= 16 only;
-* ``fp8rl_fused_n64_sk4``: the same kernel quantizing the BF16 activation itself (``block_fp8_linear``: one launch
-  a linear, not two), tried at M <= 16 only; its activation codes are ``quant.quantize_activation_groups``' (SGLang's
-  quantizer multiplies by 448 / amax where that divides by amax / 448: a code may differ by one step), so it is
-  checked against the float64 product like every candidate. A non-BF16 activation takes the unfused path;
 * ``triton_default`` (SGLang's ``triton_w8a8_block_fp8_linear``) and our other kernel configurations are candidates
   of ``scripts/bench_gemm.py`` but not of the server: on an H100 they never won a bucket (docs/RESULTS.md, sec. 7b).
+  So are two forms of our kernel: ``fp8rl_fused_n64_sk4``, quantizing the BF16 activation itself
+  (``block_fp8_linear``: one launch a linear; its activation codes are ``quant.quantize_activation_groups``', which
+  may differ from SGLang's quantizer's by one step, so it is checked against the float64 product like every
+  candidate; a non-BF16 activation takes the unfused path), no faster on an H100 (sec. 31a); and ``fp8rl_*_pf`` /
+  ``_pfpdl``, the weight slice prefetched to L2 first (and a programmatic dependent launch), an experiment.
 """
 
 from __future__ import annotations
@@ -48,9 +49,15 @@ DEFAULT_SMS = (124, 112)  # num_sms variants: 124 / 112 fix gate_up at M 80-128 
 OURS_CONFIGS = ((64, 4),)
 ALL_OURS_CONFIGS = ((64, 1), (64, 2), (64, 4), (128, 1))
 OURS_MAX_M = 16
-# (block_n, split_k) of block_gemm's fused form (the activation quantized in the kernel) kept as candidates
-FUSED_CONFIGS = ((64, 4),)
+# (block_n, split_k) of block_gemm's fused form (the activation quantized in the kernel): no server candidate, since
+# on an H100 it was within 2 % of the unfused kernel on the narrow linears and 6-15 % slower on the wide ones
+# (docs/RESULTS.md sec. 31a); scripts/bench_gemm.py measures it
+FUSED_CONFIGS = ()
+FUSED_FORMS = ((64, 4),)
 FUSED_PREFIX = OURS_PREFIX + "fused_"
+# (block_n, split_k, pdl) of block_gemm with its weight slice prefetched to L2 first (and launched as a programmatic
+# dependent launch that waits only after the prefetch): scripts/bench_gemm.py --prefetch measures them
+PREFETCH_FORMS = ((64, 4, False), (64, 4, True), (64, 1, False), (64, 1, True))
 MIN_GAIN = 0.03  # a non-default candidate must beat the default by this fraction
 
 GemmFn = Callable[[Any, Any, Any, Any], Any]
@@ -118,7 +125,7 @@ def _triton_fn(x: Any, weight: Any, scale: Any, bias: Any) -> Any:
     return sglang_block_call(sglang_fp8_utils().triton_w8a8_block_fp8_linear, x, weight, scale, bias)
 
 
-def _ours_fn(block_n: int, split_k: int) -> GemmFn:
+def _ours_fn(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = False) -> GemmFn:
     def fn(x: Any, weight: Any, scale: Any, bias: Any) -> Any:
         # imported at the first call: it imports Triton, which not every platform that builds a registry has
         from sglang_fp8rl.kernels.block_gemm import block_fp8_gemm
@@ -126,11 +133,17 @@ def _ours_fn(block_n: int, split_k: int) -> GemmFn:
         x2d = x.reshape(-1, x.shape[-1])
         # row-major [M, K/128] scales
         xq, xs = sglang_fp8_kernel().sglang_per_token_group_quant_fp8(x2d.contiguous(), BLOCK[1])
-        out = block_fp8_gemm(xq, xs, weight, scale, x.dtype, bias, block_n=block_n, split_k=split_k)
+        out = block_fp8_gemm(xq, xs, weight, scale, x.dtype, bias, block_n=block_n, split_k=split_k,
+                             prefetch=prefetch, pdl=pdl)
         return out.view(*x.shape[:-1], weight.shape[0])
 
-    fn.__name__ = f"{OURS_PREFIX}n{block_n}_sk{split_k}"
+    fn.__name__ = ours_name(block_n, split_k, prefetch, pdl)
     return fn
+
+
+def ours_name(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = False) -> str:
+    """A candidate name of block_gemm's kernel: ``fp8rl_n64_sk4``, with ``_pf`` (weight prefetch) or ``_pfpdl``."""
+    return f"{OURS_PREFIX}n{block_n}_sk{split_k}" + ("_pfpdl" if pdl else "_pf" if prefetch else "")
 
 
 def _fused_fn(block_n: int, split_k: int) -> GemmFn:
@@ -151,7 +164,8 @@ def _fused_fn(block_n: int, split_k: int) -> GemmFn:
 
 def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = False,
                     ours: Sequence[tuple[int, int]] = OURS_CONFIGS,
-                    fused: Sequence[tuple[int, int]] = FUSED_CONFIGS) -> dict[str, Candidate]:
+                    fused: Sequence[tuple[int, int]] = FUSED_CONFIGS,
+                    prefetch: Sequence[tuple[int, int, bool]] = ()) -> dict[str, Candidate]:
     """The registry: default first (the autotune relies on that order), num_sms variants, Triton (off by default:
     SGLang's untuned Triton block GEMM never won a bucket on an H100), ours, ours with the activation quantized in
     the kernel."""
@@ -161,8 +175,11 @@ def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = False,
     if triton:
         reg[TRITON] = Candidate(TRITON, _triton_fn)
     for block_n, split_k in ours:
-        name = f"{OURS_PREFIX}n{block_n}_sk{split_k}"
+        name = ours_name(block_n, split_k)
         reg[name] = Candidate(name, _ours_fn(block_n, split_k), max_m=OURS_MAX_M, k_multiple=BLOCK[1])
+    for block_n, split_k, pdl in prefetch:
+        name = ours_name(block_n, split_k, True, pdl)
+        reg[name] = Candidate(name, _ours_fn(block_n, split_k, True, pdl), max_m=OURS_MAX_M, k_multiple=BLOCK[1])
     for block_n, split_k in fused:
         name = f"{FUSED_PREFIX}n{block_n}_sk{split_k}"
         reg[name] = Candidate(name, _fused_fn(block_n, split_k), max_m=OURS_MAX_M, k_multiple=BLOCK[1])
