@@ -132,7 +132,6 @@ def test_fused_activation_quantization_under_the_triton_interpreter() -> None:
         ("scale dtype", dict(xs_dtype=torch.bfloat16), "scales must be float32"),
         ("block_n", dict(block_n=32), "block_n 32"),
         ("split_k", dict(split_k=3), "split_k 3"),
-        ("PDL without the prefetch", dict(pdl=True), "pdl=True needs prefetch=True"),
     ],
 )
 def test_block_gemm_rejects_bad_operands(what, change, message) -> None:
@@ -144,8 +143,7 @@ def test_block_gemm_rejects_bad_operands(what, change, message) -> None:
     xs = torch.ones(m, change.get("xs_cols", max(1, k // 128)), dtype=change.get("xs_dtype", torch.float32))
     ws = torch.ones(change.get("ws_rows", 2), max(1, k // 128))
     with pytest.raises(ValueError, match=message):
-        bg.block_fp8_gemm(xq, xs, wq, ws, block_n=change.get("block_n", 64), split_k=change.get("split_k", 1),
-                          pdl=change.get("pdl", False))
+        bg.block_fp8_gemm(xq, xs, wq, ws, block_n=change.get("block_n", 64), split_k=change.get("split_k", 1))
 
 
 @pytest.mark.parametrize(

@@ -296,7 +296,7 @@ def test_candidate_set_is_configurable():
         "fp8rl_fused_n64_sk2"]
     assert list(gs.make_candidates((), ours=(), fused=())) == ["deepgemm_default"]
     assert list(gs.make_candidates((), ours=(), prefetch=gs.PREFETCH_FORMS)) == [
-        "deepgemm_default", "fp8rl_n64_sk4_pf", "fp8rl_n64_sk4_pfpdl", "fp8rl_n64_sk1_pf", "fp8rl_n64_sk1_pfpdl"]
+        "deepgemm_default", "fp8rl_n64_sk4_pf", "fp8rl_n64_sk4_pfpdl", "fp8rl_n64_sk4_pdl", "fp8rl_n64_sk1_pdl"]
     assert gs.ours_name(64, 4) == "fp8rl_n64_sk4"
 
 

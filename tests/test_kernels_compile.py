@@ -94,6 +94,9 @@ def test_block_gemm_prefetches_its_weight_before_it_waits_for_the_kernel_before_
     assert compile_block_gemm(split_k, prefetch=True, pdl=True).metadata.launch_pdl
     prefetch_only = compile_block_gemm(split_k, prefetch=True).asm["ptx"]
     assert "cp.async.bulk.prefetch.L2.global" in prefetch_only and "griddepcontrol" not in prefetch_only
+    pdl_only = compile_block_gemm(split_k, pdl=True).asm["ptx"]  # the wait before any load, no prefetch
+    assert "cp.async.bulk.prefetch" not in pdl_only
+    assert "ld.global" not in pdl_only[:pdl_only.index("griddepcontrol.wait")]
 
 
 def test_split_kv_attention_reads_its_cache_pipelined_and_vectorized_for_sm90():

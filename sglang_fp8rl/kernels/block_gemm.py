@@ -23,10 +23,11 @@ dense model, docs/RESULTS.md sec. 7) want many small weight tiles in flight, not
   at M <= 16 that is 16 x 128 values a step, against a 64 x 128 weight tile.
 * ``PREFETCH`` (``prefetch=True``): before its loop every program asks L2 for its whole weight slice (one bulk
   prefetch a row, ``cp.async.bulk.prefetch.L2``), so all of a program's weight bytes are in flight from its start
-  instead of the pipeline's few tiles; ``PDL`` (``pdl=True``, with it): the kernel is launched as a programmatic
-  dependent launch and waits for the kernel before it (``griddepcontrol.wait``) only after that prefetch, since the
-  weights never depend on it; the activation, scales, partials and counters are read after the wait. An experiment
-  on the narrow linears' fixed cost (docs/RESULTS.md sec. 31a), in ``scripts/bench_gemm.py --prefetch`` only.
+  instead of the pipeline's few tiles; ``PDL`` (``pdl=True``): the kernel is launched as a programmatic dependent
+  launch, so its programs start while the kernel before it drains, and wait for it (``griddepcontrol.wait``) before
+  anything that kernel may have written is read (after the prefetch, when both are on: the weights never depend on
+  it). An experiment on the narrow linears' fixed cost (docs/RESULTS.md sec. 31a), ``scripts/bench_gemm.py
+  --prefetch`` only.
 
 Whether it is used for a shape is decided by measurement only (:mod:`sglang_fp8rl.kernels.gemm_select`).
 """
@@ -206,8 +207,6 @@ def block_fp8_gemm(
     """(xq * xs) @ (wq * ws)^T in float32, cast to ``out_dtype`` (+ bias): see the module docstring."""
     _check_config(block_n, split_k)
     check_operands(xq, xs, wq, ws)
-    if pdl and not prefetch:
-        raise ValueError("block_fp8_gemm: pdl=True needs prefetch=True (the prefetch is what runs before the wait)")
     return _launch(xq, xs, wq, ws, out_dtype, bias, block_n, split_k, quant_x=False, prefetch=prefetch, pdl=pdl)
 
 
@@ -248,7 +247,7 @@ def _launch(x: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     # a weight that is not 16-byte aligned (a view at an odd offset) is read without the prefetch
     prefetch = (prefetch and not _INTERPRETED and wq.data_ptr() % PREFETCH_ALIGN == 0
                 and wq.stride(0) % PREFETCH_ALIGN == 0)
-    pdl = pdl and prefetch
+    pdl = pdl and not _INTERPRETED
     _block_fp8_gemm_kernel[grid](
         x, xs, wq, ws, out, bias if bias is not None else out, part, counts,
         m, n, k_groups, triton.cdiv(k_groups, split_k),

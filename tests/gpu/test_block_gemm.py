@@ -184,11 +184,11 @@ def test_direct_call_equals_sglangs_linear_bit_for_bit(candidates, monkeypatch, 
             assert torch.equal(ours, theirs), f"N={n} K={k} M={m} bias={b is not None}"
 
 @pytest.mark.parametrize("split_k", [1, 4])
-@pytest.mark.parametrize("pdl", [False, True], ids=["prefetch", "prefetch+pdl"])
-def test_weight_prefetch_and_pdl_give_the_default_kernels_bits(split_k, pdl):
-    """The weight slice prefetched to L2 (and the programmatic dependent launch) change when bytes move, not the
-    arithmetic: the default kernel's output bit for bit, eagerly and in a CUDA graph whose kernel before the GEMM is
-    the activation's quantizer (the served order), replayed after the activation changed."""
+@pytest.mark.parametrize("prefetch,pdl", [(True, False), (True, True), (False, True)], ids=["pf", "pfpdl", "pdl"])
+def test_weight_prefetch_and_pdl_give_the_default_kernels_bits(split_k, prefetch, pdl):
+    """The weight slice prefetched to L2 and the programmatic dependent launch change when bytes move, not the
+    arithmetic: the default kernel's output bit for bit, eagerly and in a CUDA graph whose kernel before the GEMM
+    writes its activation (a copy), replayed after that activation changed."""
     from sglang_fp8rl.kernels.block_gemm import block_fp8_gemm
 
     seed = int.from_bytes(os.urandom(4), "little")
@@ -198,20 +198,23 @@ def test_weight_prefetch_and_pdl_give_the_default_kernels_bits(split_k, pdl):
         for m in (1, 7, 16):
             xq, xs = quantize_activation_groups(torch.randn(m, k, device="cuda", generator=gen), 128)
             default = block_fp8_gemm(xq, xs, wq, ws, split_k=split_k)
-            tried = block_fp8_gemm(xq, xs, wq, ws, split_k=split_k, prefetch=True, pdl=pdl)
-            assert torch.equal(tried, default), f"N={n} K={k} M={m} split_k={split_k} pdl={pdl} (seed {seed})"
-    x = torch.randn(m, k, device="cuda", generator=gen)
+            tried = block_fp8_gemm(xq, xs, wq, ws, split_k=split_k, prefetch=prefetch, pdl=pdl)
+            assert torch.equal(tried, default), f"N={n} K={k} M={m} split_k={split_k} (seed {seed})"
+    source = [quantize_activation_groups(torch.randn(m, k, device="cuda", generator=gen), 128) for _ in range(2)]
+    xq, xs = (t.clone() for t in source[0])
+    src_q, src_s = (t.clone() for t in source[0])
 
     def linear():
-        xq, xs = quantize_activation_groups(x, 128)
-        return block_fp8_gemm(xq, xs, wq, ws, split_k=split_k, prefetch=True, pdl=pdl)
+        xq.copy_(src_q)  # the kernel before the GEMM writes the operand the GEMM reads after its wait
+        xs.copy_(src_s)
+        return block_fp8_gemm(xq, xs, wq, ws, split_k=split_k, prefetch=prefetch, pdl=pdl)
 
     linear()  # compiled before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = linear()
-    x.copy_(torch.randn(m, k, device="cuda", generator=gen))
+    src_q.copy_(source[1][0])
+    src_s.copy_(source[1][1])
     graph.replay()
     torch.cuda.synchronize()
-    xq, xs = quantize_activation_groups(x, 128)
-    assert torch.equal(captured, block_fp8_gemm(xq, xs, wq, ws, split_k=split_k))
+    assert torch.equal(captured, block_fp8_gemm(*source[1], wq, ws, split_k=split_k))

@@ -15,7 +15,8 @@ fp32, bias | None) -> [.., N]``, what each can run (and why not), and the one ch
   (``block_fp8_linear``: one launch a linear; its activation codes are ``quant.quantize_activation_groups``', which
   may differ from SGLang's quantizer's by one step, so it is checked against the float64 product like every
   candidate; a non-BF16 activation takes the unfused path), no faster on an H100 (sec. 31a); and ``fp8rl_*_pf`` /
-  ``_pfpdl``, the weight slice prefetched to L2 first (and a programmatic dependent launch), an experiment.
+  ``_pfpdl`` / ``_pdl``, the weight slice prefetched to L2 first and / or a programmatic dependent launch, an
+  experiment.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ OURS_MAX_M = 16
 FUSED_CONFIGS = ()
 FUSED_FORMS = ((64, 4),)
 FUSED_PREFIX = OURS_PREFIX + "fused_"
-# (block_n, split_k, pdl) of block_gemm with its weight slice prefetched to L2 first (and launched as a programmatic
-# dependent launch that waits only after the prefetch): scripts/bench_gemm.py --prefetch measures them
-PREFETCH_FORMS = ((64, 4, False), (64, 4, True), (64, 1, False), (64, 1, True))
+# (block_n, split_k, prefetch, pdl) of block_gemm with its weight slice prefetched to L2 first and / or launched as a
+# programmatic dependent launch: scripts/bench_gemm.py --prefetch measures them
+PREFETCH_FORMS = ((64, 4, True, False), (64, 4, True, True), (64, 4, False, True), (64, 1, False, True))
 MIN_GAIN = 0.03  # a non-default candidate must beat the default by this fraction
 
 GemmFn = Callable[[Any, Any, Any, Any], Any]
@@ -142,8 +143,9 @@ def _ours_fn(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = Fal
 
 
 def ours_name(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = False) -> str:
-    """A candidate name of block_gemm's kernel: ``fp8rl_n64_sk4``, with ``_pf`` (weight prefetch) or ``_pfpdl``."""
-    return f"{OURS_PREFIX}n{block_n}_sk{split_k}" + ("_pfpdl" if pdl else "_pf" if prefetch else "")
+    """A candidate name of block_gemm's kernel: ``fp8rl_n64_sk4``, with ``_pf`` (weight prefetch) and / or ``pdl``."""
+    return f"{OURS_PREFIX}n{block_n}_sk{split_k}" + ("_pf" if prefetch else "") + ("pdl" if pdl and prefetch else
+                                                                                    "_pdl" if pdl else "")
 
 
 def _fused_fn(block_n: int, split_k: int) -> GemmFn:
@@ -165,7 +167,7 @@ def _fused_fn(block_n: int, split_k: int) -> GemmFn:
 def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = False,
                     ours: Sequence[tuple[int, int]] = OURS_CONFIGS,
                     fused: Sequence[tuple[int, int]] = FUSED_CONFIGS,
-                    prefetch: Sequence[tuple[int, int, bool]] = ()) -> dict[str, Candidate]:
+                    prefetch: Sequence[tuple[int, int, bool, bool]] = ()) -> dict[str, Candidate]:
     """The registry: default first (the autotune relies on that order), num_sms variants, Triton (off by default:
     SGLang's untuned Triton block GEMM never won a bucket on an H100), ours, ours with the activation quantized in
     the kernel."""
@@ -177,9 +179,9 @@ def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = False,
     for block_n, split_k in ours:
         name = ours_name(block_n, split_k)
         reg[name] = Candidate(name, _ours_fn(block_n, split_k), max_m=OURS_MAX_M, k_multiple=BLOCK[1])
-    for block_n, split_k, pdl in prefetch:
-        name = ours_name(block_n, split_k, True, pdl)
-        reg[name] = Candidate(name, _ours_fn(block_n, split_k, True, pdl), max_m=OURS_MAX_M, k_multiple=BLOCK[1])
+    for block_n, split_k, pf, pdl in prefetch:
+        name = ours_name(block_n, split_k, pf, pdl)
+        reg[name] = Candidate(name, _ours_fn(block_n, split_k, pf, pdl), max_m=OURS_MAX_M, k_multiple=BLOCK[1])
     for block_n, split_k in fused:
         name = f"{FUSED_PREFIX}n{block_n}_sk{split_k}"
         reg[name] = Candidate(name, _fused_fn(block_n, split_k), max_m=OURS_MAX_M, k_multiple=BLOCK[1])
