@@ -10,9 +10,9 @@ M in {1, 8, 32, 64, 96, 112, 128, 144, 192, 256}:
   linear: 1x128 activation quant + GEMM, on a weight quantized by ``sglang_fp8rl.quant`` (128x128 fp32 scales);
 * ``fp8rl_n{64,128}_sk{1,2,4}``: our swap-AB / split-K Triton kernel (``sglang_fp8rl.kernels.block_gemm``), M <= 128;
 * ``fp8rl_fused_n64_sk4``: the same kernel quantizing the BF16 activation itself (one launch), M <= 16;
-* with ``--prefetch``: ``fp8rl_n64_sk{4,1}_pf``, the same kernel with each program's weight slice prefetched to L2
-  before its loop, and ``_pfpdl``, that launched as a programmatic dependent launch waiting for the kernel before it
-  (the activation quantizer) only after the prefetch, M <= 16.
+* with ``--prefetch``: ``fp8rl_n64_sk4_pf``, the same kernel with each program's weight slice prefetched to L2
+  before its loop; ``_pfpdl``, that launched as a programmatic dependent launch waiting for the kernel before it
+  (the activation quantizer) only after the prefetch; ``fp8rl_n64_sk{4,1}_pdl``, the dependent launch alone; M <= 16.
 
 Timing: a CUDA graph of >= 48 back-to-back calls rotating over enough weight copies
 (>= 200 MB) and activation sets that weights come from HBM, median of the replays / calls. Each (shape, M, method)
@@ -51,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--no-triton", action="store_true", help="leave out triton_default")
     p.add_argument("--no-ours", action="store_true", help="leave out our kernel (fp8rl_*)")
     p.add_argument("--prefetch", action="store_true",
-                   help="also our kernel with its weight prefetched to L2 (_pf) and launched with PDL (_pfpdl)")
+                   help="also our kernel with its weight prefetched to L2 (_pf) and / or launched with PDL (_pfpdl, _pdl)")
     p.add_argument("--rot-mb", type=float, default=200.0, help="weight bytes rotated per graph (MB, default 200)")
     p.add_argument("--calls", type=int, default=48, help="calls per CUDA graph (default 48)")
     p.add_argument("--reps", type=int, default=20, help="graph replays timed (median; default 20)")
