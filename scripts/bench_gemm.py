@@ -51,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--no-triton", action="store_true", help="leave out triton_default")
     p.add_argument("--no-ours", action="store_true", help="leave out our kernel (fp8rl_*)")
     p.add_argument("--prefetch", action="store_true",
-                   help="also our kernel with its weight prefetched to L2 (_pf) and / or launched with PDL (_pfpdl, _pdl)")
+                   help="also our kernel with its weight prefetched to L2 (_pf) and / or launched with PDL "
+                        "(_pfpdl, _pdl)")
     p.add_argument("--rot-mb", type=float, default=200.0, help="weight bytes rotated per graph (MB, default 200)")
     p.add_argument("--calls", type=int, default=48, help="calls per CUDA graph (default 48)")
     p.add_argument("--reps", type=int, default=20, help="graph replays timed (median; default 20)")
