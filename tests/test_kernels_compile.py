@@ -85,13 +85,14 @@ def test_block_gemm_prefetches_its_weight_before_it_waits_for_the_kernel_before_
     plain = compile_block_gemm(split_k)
     assert "cp.async.bulk.prefetch" not in plain.asm["ptx"] and "griddepcontrol" not in plain.asm["ptx"]
     assert not plain.metadata.launch_pdl
-    ptx = compile_block_gemm(split_k, prefetch=True, pdl=True).asm["ptx"]
+    both = compile_block_gemm(split_k, prefetch=True, pdl=True)
+    ptx = both.asm["ptx"]
     prefetch, wait = ptx.index("cp.async.bulk.prefetch.L2.global"), ptx.index("griddepcontrol.wait")
     first_mma = ptx.index("wgmma.mma_async")
     assert prefetch < wait < first_mma < ptx.index("griddepcontrol.launch_dependents")
     assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1  # one row a thread (64 rows, 128 threads)
     assert "ld.global" not in ptx[:wait]  # nothing is loaded before the wait: the activation, scales and partials
-    assert compile_block_gemm(split_k, prefetch=True, pdl=True).metadata.launch_pdl
+    assert both.metadata.launch_pdl
     prefetch_only = compile_block_gemm(split_k, prefetch=True).asm["ptx"]
     assert "cp.async.bulk.prefetch.L2.global" in prefetch_only and "griddepcontrol" not in prefetch_only
     pdl_only = compile_block_gemm(split_k, pdl=True).asm["ptx"]  # the wait before any load, no prefetch

@@ -183,6 +183,7 @@ def test_direct_call_equals_sglangs_linear_bit_for_bit(candidates, monkeypatch, 
             theirs = gs.candidates.sglang_block_call(gs.candidates.default_linear(), x, wq, ws, b)
             assert torch.equal(ours, theirs), f"N={n} K={k} M={m} bias={b is not None}"
 
+
 @pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize("prefetch,pdl", [(True, False), (True, True), (False, True)], ids=["pf", "pfpdl", "pdl"])
 def test_weight_prefetch_and_pdl_give_the_default_kernels_bits(split_k, prefetch, pdl):

@@ -143,9 +143,9 @@ def _ours_fn(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = Fal
 
 
 def ours_name(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = False) -> str:
-    """A candidate name of block_gemm's kernel: ``fp8rl_n64_sk4``, with ``_pf`` (weight prefetch) and / or ``pdl``."""
-    return f"{OURS_PREFIX}n{block_n}_sk{split_k}" + ("_pf" if prefetch else "") + ("pdl" if pdl and prefetch else
-                                                                                    "_pdl" if pdl else "")
+    """A candidate name of block_gemm's kernel: ``fp8rl_n64_sk4``, suffixed ``_pf``, ``_pfpdl`` or ``_pdl``."""
+    form = "pf" * prefetch + "pdl" * pdl
+    return f"{OURS_PREFIX}n{block_n}_sk{split_k}" + (f"_{form}" if form else "")
 
 
 def _fused_fn(block_n: int, split_k: int) -> GemmFn:
@@ -169,17 +169,14 @@ def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = False,
                     fused: Sequence[tuple[int, int]] = FUSED_CONFIGS,
                     prefetch: Sequence[tuple[int, int, bool, bool]] = ()) -> dict[str, Candidate]:
     """The registry: default first (the autotune relies on that order), num_sms variants, Triton (off by default:
-    SGLang's untuned Triton block GEMM never won a bucket on an H100), ours, ours with the activation quantized in
-    the kernel."""
+    SGLang's untuned Triton block GEMM never won a bucket on an H100), ours, its prefetch / PDL forms, ours with
+    the activation quantized in the kernel."""
     reg = {DEFAULT: Candidate(DEFAULT, _default_fn)}
     for n in sms:
         reg[f"{SMS_PREFIX}{n}"] = Candidate(f"{SMS_PREFIX}{n}", _sms_fn(int(n)), needs_deepgemm=True, num_sms=int(n))
     if triton:
         reg[TRITON] = Candidate(TRITON, _triton_fn)
-    for block_n, split_k in ours:
-        name = ours_name(block_n, split_k)
-        reg[name] = Candidate(name, _ours_fn(block_n, split_k), max_m=OURS_MAX_M, k_multiple=BLOCK[1])
-    for block_n, split_k, pf, pdl in prefetch:
+    for block_n, split_k, pf, pdl in [(*config, False, False) for config in ours] + list(prefetch):
         name = ours_name(block_n, split_k, pf, pdl)
         reg[name] = Candidate(name, _ours_fn(block_n, split_k, pf, pdl), max_m=OURS_MAX_M, k_multiple=BLOCK[1])
     for block_n, split_k in fused:
