@@ -51,8 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--no-triton", action="store_true", help="leave out triton_default")
     p.add_argument("--no-ours", action="store_true", help="leave out our kernel (fp8rl_*)")
     p.add_argument("--prefetch", action="store_true",
-                   help="also our kernel with its weight prefetched to L2 (_pf) and / or launched with PDL "
-                        "(_pfpdl, _pdl)")
+                   help="also our kernel with its weight prefetched to L2 (_pf, _pfpdl) and split-K 1 launched "
+                        "with PDL (_sk1_pdl); split-K 4 with PDL (_sk4_pdl) is a server candidate, always measured")
     p.add_argument("--rot-mb", type=float, default=200.0, help="weight bytes rotated per graph (MB, default 200)")
     p.add_argument("--calls", type=int, default=48, help="calls per CUDA graph (default 48)")
     p.add_argument("--reps", type=int, default=20, help="graph replays timed (median; default 20)")
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     sms = tuple(int(v) for v in args.sms.split(",")) if args.sms else gs.DEFAULT_SMS
     # the microbenchmark compares every candidate; --tune uses the server's own set, so the cache stays valid there
     cands = gs.make_candidates(sms, triton=not args.no_triton, ours=() if args.no_ours else gs.ALL_OURS_CONFIGS,
-                               fused=() if args.no_ours else gs.FUSED_FORMS,
+                               fused=() if args.no_ours else gs.FUSED_FORMS, pdl=() if args.no_ours else gs.PDL_CONFIGS,
                                prefetch=gs.PREFETCH_FORMS if args.prefetch and not args.no_ours else ())
     facts = deepgemm.detect()
     info = gs.env_info(facts)

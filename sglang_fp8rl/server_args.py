@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from sglang_fp8rl.kernels.attention_select import MODES as DECODE_ATTENTION_MODES
 from sglang_fp8rl.kernels.deepgemm import PRECOMPILE_ENV as DEEPGEMM_PRECOMPILE_ENV
 from sglang_fp8rl.kernels.gemm_select import DEFAULT_BUDGET_S as DEFAULT_GEMM_TUNE_BUDGET_S
-from sglang_fp8rl.kernels.gemm_select import GEMM_SELECT_MODES
+from sglang_fp8rl.kernels.gemm_select import GEMM_SELECT_MODES, check_excluded
 from sglang_fp8rl.kernels.jit_warmup import AUTO_WORKERS as AUTO_JIT_WORKERS
 from sglang_fp8rl.quant import SCALE_FORMATS
 
@@ -40,6 +40,7 @@ class Fp8rlOptions:
     scale_format: str = "fp32"
     gemm_select: str = "auto"
     gemm_tune_budget_s: float = DEFAULT_GEMM_TUNE_BUDGET_S
+    gemm_exclude: tuple[str, ...] = ()
     jit_workers: int = AUTO_JIT_WORKERS
     kv_scales: str = "auto"
     kv_calibration: str = ""
@@ -58,6 +59,10 @@ class Fp8rlOptions:
         budget = self.gemm_tune_budget_s
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget < float("inf"):
             raise ValueError(f"--fp8rl-gemm-tune-budget-s must be a finite number >= 0, got {budget!r}")
+        try:
+            object.__setattr__(self, "gemm_exclude", check_excluded(self.gemm_exclude))
+        except ValueError as e:
+            raise ValueError(f"--fp8rl-gemm-exclude: {e}") from e
         workers = self.jit_workers
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < AUTO_JIT_WORKERS:
             raise ValueError(f"--fp8rl-jit-workers must be an integer >= {AUTO_JIT_WORKERS}, got {workers!r}")
@@ -158,6 +163,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Wall-time budget of the load-time GEMM measurement (auto mode); unmeasured shapes use SGLang's GEMM.",
     )
     group.add_argument(
+        _flag("gemm_exclude"), action="append", default=None, metavar="NAME",
+        help="Leave the GEMM candidate NAME (e.g. fp8rl_n64_sk4_pdl; the log of a measurement lists them) out of "
+             "the selection. Repeatable.",
+    )
+    group.add_argument(
         _flag("jit_workers"), type=int, default=d.jit_workers, metavar="N",
         help="Processes that compile DeepGEMM's kernels for the CUDA-graph sizes in parallel before capture "
              f"({AUTO_JIT_WORKERS} = by CPU count and free GPU memory, 0 = none: SGLang compiles them one by one "
@@ -195,7 +205,7 @@ def options_from_namespace(args: argparse.Namespace) -> Fp8rlOptions:
     for field in dataclasses.fields(Fp8rlOptions):
         value = getattr(args, "fp8rl_" + field.name, None)
         if value is not None:
-            values[field.name] = tuple(value) if field.name == "ignore" else value
+            values[field.name] = tuple(value) if field.name in ("ignore", "gemm_exclude") else value
     return Fp8rlOptions(**values)
 
 

@@ -202,7 +202,7 @@ def test_versions_invalidate(tmp_path):
 def test_select_lookup_and_fallbacks():
     names = gs.candidate_names()
     assert names[0] == gs.DEFAULT and names == ["deepgemm_default", "deepgemm_sms_124", "deepgemm_sms_112",
-                                                "fp8rl_n64_sk4"]
+                                                "fp8rl_n64_sk4", "fp8rl_n64_sk4_pdl"]
     entries = {
         gs.shape_key(24576, 4096, 112): entry("deepgemm_sms_112", {}),
         # another candidate set
@@ -293,11 +293,36 @@ def test_prepare_model_checks_its_arguments():
 def test_candidate_set_is_configurable():
     assert list(gs.make_candidates((120, 100), triton=True, ours=((128, 1),), fused=((64, 2),))) == [
         "deepgemm_default", "deepgemm_sms_120", "deepgemm_sms_100", "triton_default", "fp8rl_n128_sk1",
-        "fp8rl_fused_n64_sk2"]
-    assert list(gs.make_candidates((), ours=(), fused=())) == ["deepgemm_default"]
-    assert list(gs.make_candidates((), ours=(), prefetch=gs.PREFETCH_FORMS)) == [
+        "fp8rl_n64_sk4_pdl", "fp8rl_fused_n64_sk2"]
+    assert list(gs.make_candidates((), ours=(), fused=(), pdl=())) == ["deepgemm_default"]
+    assert list(gs.make_candidates((), ours=(), pdl=(), prefetch=gs.PREFETCH_FORMS)) == [
         "deepgemm_default", "fp8rl_n64_sk4_pf", "fp8rl_n64_sk4_pfpdl", "fp8rl_n64_sk4_pdl", "fp8rl_n64_sk1_pdl"]
     assert gs.ours_name(64, 4) == "fp8rl_n64_sk4"
+
+
+def test_excluded_candidates_are_left_out_and_their_cached_choices_not_used(caplog):
+    pdl = "fp8rl_n64_sk4_pdl"
+    assert gs.check_excluded([pdl, "deepgemm_sms_124"]) == (pdl, "deepgemm_sms_124")
+    with pytest.raises(ValueError, match="deepgemm_default cannot be excluded: it runs wherever nothing else"):
+        gs.check_excluded([gs.DEFAULT])
+    with pytest.raises(ValueError, match="'nope' is not a GEMM candidate of the server; they are deepgemm_sms_124"):
+        gs.check_excluded(["nope"])
+    with pytest.raises(ValueError, match="'nope' is not a GEMM candidate"):
+        gs.prepare_model([], mode="auto", budget_s=1.0, jit_workers=0, exclude=["nope"])
+    assert list(gs.server_candidates([pdl])) == [n for n in gs.candidate_names() if n != pdl]
+    # a cache written with every candidate: its choice of the excluded one is not served (another candidate set)
+    key = gs.shape_key(4096, 4096, 8)
+    gs.merge_entries(None, gs.env_info(ON), {key: entry(pdl, {})})
+    gs.reset_state()
+    excluding = request("cache", exclude=(pdl,))
+    runtime = cpu_runtime(gs.server_candidates(excluding.exclude), ON)
+    with caplog.at_level(logging.INFO, logger=prepare_mod.__name__):
+        assert gs.prepare_shapes([(4096, 4096)], excluding, runtime) == {}
+    assert gs.select(8, 4096, 4096) == gs.DEFAULT
+    assert any(f"excluded {pdl}" in r.getMessage() for r in caplog.records)
+    gs.reset_state()
+    gs.prepare_shapes([(4096, 4096)], request("cache"), cpu_runtime(gs.server_candidates(), ON))
+    assert gs.select(8, 4096, 4096) == pdl  # the same cache without the exclusion
 
 
 def test_choose():

@@ -191,6 +191,13 @@ def test_bad_fp8rl_option_values_are_rejected(ckpt):
         Fp8rlOptions(kv_write="cuda")
     assert parse_args([]).kv_write == "fused"
     assert parse_args(["--fp8rl-ignore", "a", "--fp8rl-ignore", "b"]).ignore == ("a", "b")
+    with pytest.raises(ValueError, match="--fp8rl-gemm-exclude: 'fp8rl_n64' is not a GEMM candidate"):
+        parse_args(["--fp8rl-gemm-exclude", "fp8rl_n64"])
+    with pytest.raises(ValueError, match="--fp8rl-gemm-exclude: deepgemm_default cannot be excluded"):
+        Fp8rlOptions(gemm_exclude=("deepgemm_default",))
+    both = parse_args(["--fp8rl-gemm-exclude", "fp8rl_n64_sk4_pdl", "--fp8rl-gemm-exclude", "deepgemm_sms_112"])
+    assert both.gemm_exclude == ("fp8rl_n64_sk4_pdl", "deepgemm_sms_112")
+    assert Fp8rlOptions.from_json(both.to_json()) == both  # as the scheduler processes read them
 
 
 def test_fp8_checkpoint_is_rejected_clearly(ckpt, tmp_path):

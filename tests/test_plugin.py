@@ -74,10 +74,11 @@ def test_prepare_server_args_parses_our_options(plugins_loaded, model_dir, monke
         "--fp8rl-bf16-first-layers", "2", "--fp8rl-bf16-last-layers", "1", "--fp8rl-ignore", r"o_proj$",
         "--fp8rl-ignore", "layers\\.5\\.", "--fp8rl-scale-format", "pow2", "--fp8rl-gemm-select", "cache",
         "--fp8rl-gemm-tune-budget-s", "7.5", "--fp8rl-kv-write", "fused",
+        "--fp8rl-gemm-exclude", "fp8rl_n64_sk4_pdl",
     ])
     assert sa.quantization == "fp8_online_blockwise"
     assert get_options() == Fp8rlOptions(2, 1, (r"o_proj$", "layers\\.5\\."), "pow2", "cache", 7.5,
-                                         kv_write="fused")
+                                         gemm_exclude=("fp8rl_n64_sk4_pdl",), kv_write="fused")
     assert os.environ[DEEPGEMM_PRECOMPILE_ENV] == "0"  # lazy DeepGEMM JIT for our quantization
 
 

@@ -62,6 +62,7 @@ def _prepare_gemms(runner: Any, agree: gemm_select.Agree) -> None:
         fp8_gemm_backend=getattr(server_args, "fp8_gemm_runner_backend", None) or deepgemm.AUTO_BACKEND,
         mem_fraction_static=getattr(runner, "mem_fraction_static", None),
         pre_load_free_bytes=int(pre_load_gib * (1 << 30)) if pre_load_gib else None,
+        exclude=options.gemm_exclude,
         agree=agree,
     )
 

@@ -8,15 +8,17 @@ fp32, bias | None) -> [.., N]``, what each can run (and why not), and the one ch
   128x192 tile without multicast (101 us), while with ``num_sms <= 124`` it picks 128x112 / 128x128 (42 us).
   ``num_sms`` is host state read when the launch is built, so a captured CUDA graph keeps the launch it recorded;
 * ``fp8rl_n64_sk4``: our decode kernel (:mod:`sglang_fp8rl.kernels.block_gemm`, swap-AB, deterministic split-K)
-  after SGLang's 1x128 activation quantization, tried at M <= 16 only;
+  after SGLang's 1x128 activation quantization, tried at M <= 16 only; ``fp8rl_n64_sk4_pdl``, the same kernel as a
+  programmatic dependent launch (its programs start while the quantizer drains; the same bits);
 * ``triton_default`` (SGLang's ``triton_w8a8_block_fp8_linear``) and our other kernel configurations are candidates
   of ``scripts/bench_gemm.py`` but not of the server: on an H100 they never won a bucket (docs/RESULTS.md, sec. 7b).
   So are two forms of our kernel: ``fp8rl_fused_n64_sk4``, quantizing the BF16 activation itself
   (``block_fp8_linear``: one launch a linear; its activation codes are ``quant.quantize_activation_groups``', which
   may differ from SGLang's quantizer's by one step, so it is checked against the float64 product like every
   candidate; a non-BF16 activation takes the unfused path), no faster on an H100 (sec. 31a); and ``fp8rl_*_pf`` /
-  ``_pfpdl`` / ``_pdl``, the weight slice prefetched to L2 first and / or a programmatic dependent launch, an
-  experiment.
+  ``_pfpdl``, the weight slice prefetched to L2 first, slower on an H100 (sec. 31c).
+
+``--fp8rl-gemm-exclude`` leaves named candidates out of the server's set (:func:`server_candidates`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,6 +61,9 @@ FUSED_PREFIX = OURS_PREFIX + "fused_"
 # (block_n, split_k, prefetch, pdl) of block_gemm with its weight slice prefetched to L2 first and / or launched as a
 # programmatic dependent launch: scripts/bench_gemm.py --prefetch measures them
 PREFETCH_FORMS = ((64, 4, True, False), (64, 4, True, True), (64, 4, False, True), (64, 1, False, True))
+# (block_n, split_k) of block_gemm launched as a programmatic dependent launch (no prefetch), server candidates
+# beside the plain launch of OURS_CONFIGS: its programs start while SGLang's activation quantizer drains
+PDL_CONFIGS = ((64, 4),)
 MIN_GAIN = 0.03  # a non-default candidate must beat the default by this fraction
 
 GemmFn = Callable[[Any, Any, Any, Any], Any]
@@ -167,18 +172,21 @@ def _fused_fn(block_n: int, split_k: int) -> GemmFn:
 def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = False,
                     ours: Sequence[tuple[int, int]] = OURS_CONFIGS,
                     fused: Sequence[tuple[int, int]] = FUSED_CONFIGS,
+                    pdl: Sequence[tuple[int, int]] = PDL_CONFIGS,
                     prefetch: Sequence[tuple[int, int, bool, bool]] = ()) -> dict[str, Candidate]:
     """The registry: default first (the autotune relies on that order), num_sms variants, Triton (off by default:
-    SGLang's untuned Triton block GEMM never won a bucket on an H100), ours, its prefetch / PDL forms, ours with
-    the activation quantized in the kernel."""
+    SGLang's untuned Triton block GEMM never won a bucket on an H100), ours, ours as a dependent launch, its
+    prefetch forms, ours with the activation quantized in the kernel."""
     reg = {DEFAULT: Candidate(DEFAULT, _default_fn)}
     for n in sms:
         reg[f"{SMS_PREFIX}{n}"] = Candidate(f"{SMS_PREFIX}{n}", _sms_fn(int(n)), needs_deepgemm=True, num_sms=int(n))
     if triton:
         reg[TRITON] = Candidate(TRITON, _triton_fn)
-    for block_n, split_k, pf, pdl in [(*config, False, False) for config in ours] + list(prefetch):
-        name = ours_name(block_n, split_k, pf, pdl)
-        reg[name] = Candidate(name, _ours_fn(block_n, split_k, pf, pdl), max_m=OURS_MAX_M, k_multiple=BLOCK[1])
+    forms = [(*c, False, False) for c in ours] + [(*c, False, True) for c in pdl] + list(prefetch)
+    for block_n, split_k, pf, dependent in forms:
+        name = ours_name(block_n, split_k, pf, dependent)
+        reg[name] = Candidate(name, _ours_fn(block_n, split_k, pf, dependent), max_m=OURS_MAX_M,
+                              k_multiple=BLOCK[1])
     for block_n, split_k in fused:
         name = f"{FUSED_PREFIX}n{block_n}_sk{split_k}"
         reg[name] = Candidate(name, _fused_fn(block_n, split_k), max_m=OURS_MAX_M, k_multiple=BLOCK[1])
@@ -188,6 +196,23 @@ def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = False,
 def candidate_names() -> list[str]:
     """Names of the server's candidates, default first."""
     return list(make_candidates())
+
+
+def check_excluded(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` as a tuple if each is a server candidate other than the default (the fallback), else ValueError."""
+    names, known = tuple(names), candidate_names()
+    for name in names:
+        if name == DEFAULT:
+            raise ValueError(f"{DEFAULT} cannot be excluded: it runs wherever nothing else is chosen")
+        if name not in known:
+            raise ValueError(f"{name!r} is not a GEMM candidate of the server; they are {', '.join(known[1:])}")
+    return names
+
+
+def server_candidates(exclude: Iterable[str] = ()) -> dict[str, Candidate]:
+    """The server's registry without the candidates named in ``exclude`` (checked by :func:`check_excluded`)."""
+    left_out = set(check_excluded(exclude))
+    return {name: c for name, c in make_candidates().items() if name not in left_out}
 
 
 def choose(us: Mapping[str, float | None], rejected: Mapping[str, str], min_gain: float = MIN_GAIN) -> str:

@@ -46,7 +46,14 @@ from sglang_fp8rl.kernels.gemm_select.cache import (
     load_entries,
     merge_entries,
 )
-from sglang_fp8rl.kernels.gemm_select.candidates import BLOCK, DEFAULT, OURS_PREFIX, Candidate, make_candidates
+from sglang_fp8rl.kernels.gemm_select.candidates import (
+    BLOCK,
+    DEFAULT,
+    OURS_PREFIX,
+    Candidate,
+    check_excluded,
+    server_candidates,
+)
 from sglang_fp8rl.kernels.gemm_select.measure import Bench, random_block_weight
 from sglang_fp8rl.kernels.gemm_select.tune import DEFAULT_BUDGET_S, Todo, TuneSettings, autotune
 
@@ -76,11 +83,13 @@ class PrepareRequest:
     max_m: int = DEFAULT_MAX_M
     mem_fraction_static: float | None = None
     pre_load_free_bytes: int | None = None
+    exclude: tuple[str, ...] = ()  # candidates left out of the selection
 
     def __post_init__(self) -> None:
         if self.mode not in GEMM_SELECT_MODES:
             raise ValueError(f"gemm_select mode must be one of {GEMM_SELECT_MODES}, got {self.mode!r}")
         object.__setattr__(self, "capture_ms", tuple(int(m) for m in self.capture_ms))
+        object.__setattr__(self, "exclude", check_excluded(self.exclude))
 
     @property
     def selecting(self) -> bool:
@@ -113,29 +122,33 @@ class Runtime:
     direct_reason: Callable[[DeepGemmFacts], str | None] = deepgemm.direct_reason
 
     @classmethod
-    def detect(cls) -> Runtime:
-        """This process: SGLang's DeepGEMM state, the server's candidates, the cache file, the current GPU."""
+    def detect(cls, exclude: Sequence[str] = ()) -> Runtime:
+        """This process: SGLang's DeepGEMM state, the server's candidates but ``exclude``, the cache file, the
+        current GPU."""
         facts = deepgemm.detect()
         device = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        return cls(facts, make_candidates(), env_info(facts), cache_path(), device)
+        return cls(facts, server_candidates(exclude), env_info(facts), cache_path(), device)
 
 
 def prepare_model(shapes: Sequence[tuple[int, int]], *, mode: str, budget_s: float, jit_workers: int,
                   capture_ms: Sequence[int] = (), ranks_on_node: int = 1, fp8_gemm_backend: str = AUTO_BACKEND,
                   max_m: int = DEFAULT_MAX_M, mem_fraction_static: float | None = None,
-                  pre_load_free_bytes: int | None = None, agree: Agree | None = None) -> dict[str, Entry]:
+                  pre_load_free_bytes: int | None = None, exclude: Sequence[str] = (),
+                  agree: Agree | None = None) -> dict[str, Entry]:
     """Prepare this rank's block GEMMs of shapes ``shapes`` ((N, K) of its 128x128 blockwise layers): warm-up,
     lookup, measurement, agreement, install, one log. ``capture_ms``: the token counts CUDA graphs are captured for;
     ``mem_fraction_static`` / ``pre_load_free_bytes``: SGLang's, bounding the warm-up workers by GPU memory;
-    ``agree``: the exchange that gives every rank one table (:func:`agreed_entries` over the TP ranks' tables).
+    ``exclude``: candidates left out (``--fp8rl-gemm-exclude``); ``agree``: the exchange that gives every rank one
+    table (:func:`agreed_entries` over the TP ranks' tables).
     Returns the valid entries of this model ({} when selection is off or there is nothing to do)."""
     request = PrepareRequest(mode=mode, budget_s=budget_s, jit_workers=jit_workers, capture_ms=tuple(capture_ms),
                              ranks_on_node=ranks_on_node, fp8_gemm_backend=fp8_gemm_backend, max_m=max_m,
-                             mem_fraction_static=mem_fraction_static, pre_load_free_bytes=pre_load_free_bytes)
+                             mem_fraction_static=mem_fraction_static, pre_load_free_bytes=pre_load_free_bytes,
+                             exclude=tuple(exclude))
     if not shapes:
         lookup.install({}, {})
         return {}
-    return prepare_shapes(shapes, request, Runtime.detect(), agree)
+    return prepare_shapes(shapes, request, Runtime.detect(request.exclude), agree)
 
 
 def prepare_shapes(shapes: Sequence[tuple[int, int]], request: PrepareRequest, runtime: Runtime,
@@ -165,9 +178,10 @@ def prepare_shapes(shapes: Sequence[tuple[int, int]], request: PrepareRequest, r
     if agree is not None:
         valid = agreed_table(valid, agree(valid), wanted, runtime)
     lookup.install(choices_of(valid), runtime.candidates, direct=install_direct(runtime))
-    logger.info("[fp8rl] gemm_select (%s, cache %s): %d shapes x %d M buckets, %d on %s for lack of a measurement\n%s",
-                request.mode, runtime.cache_path, len(shapes), len(buckets_upto(request.max_m)),
-                len(wanted) - len(valid), DEFAULT, format_table(valid))
+    logger.info("[fp8rl] gemm_select (%s, cache %s%s): %d shapes x %d M buckets, %d on %s for lack of a "
+                "measurement\n%s", request.mode, runtime.cache_path,
+                f", excluded {', '.join(request.exclude)}" if request.exclude else "", len(shapes),
+                len(buckets_upto(request.max_m)), len(wanted) - len(valid), DEFAULT, format_table(valid))
     return valid
 
 
