@@ -41,7 +41,7 @@ step roof_all 120 200 "${ROOF[@]}" --out "$OUT/roof_all" --deadline-s 190
 step roof_nopdl 100 200 "${ROOF[@]}" --out "$OUT/roof_nopdl" --deadline-s 190 --extra-args="--fp8rl-gemm-exclude $PDL"
 for d in roof_all roof_nopdl; do
   echo "== $d"; grep -h "gemm_select\|$PDL" "$OUT/$d"/raw/*.log 2>/dev/null | head -5
-  sed -n '/^### FP8 weights/,/^$/p;/^| *bs/,/^$/p' "$OUT/$d/roofline.md" 2>/dev/null | head -30
+  awk '/^### FP8 weights/{f=1} f&&/^(Cells|### FP8 \+)/{exit} f' "$OUT/$d/roofline.md" 2>/dev/null | head -20
 done
 step tests_rest 60 300 python3 -m pytest -q -m gpu tests/gpu/test_block_gemm.py -k "not prefetch"
 tail -3 "$OUT/tests_rest.log"

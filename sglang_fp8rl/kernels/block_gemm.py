@@ -26,8 +26,8 @@ dense model, docs/RESULTS.md sec. 7) want many small weight tiles in flight, not
   instead of the pipeline's few tiles; ``PDL`` (``pdl=True``): the kernel is launched as a programmatic dependent
   launch, so its programs start while the kernel before it drains, and wait for it (``griddepcontrol.wait``) before
   anything that kernel may have written is read (after the prefetch, when both are on: the weights never depend on
-  it). An experiment on the narrow linears' fixed cost (docs/RESULTS.md sec. 31a), ``scripts/bench_gemm.py
-  --prefetch`` only.
+  it). The prefetch made every linear slower on an H100 (``scripts/bench_gemm.py --prefetch`` only); the dependent
+  launch saves 1.2-1.5 us a call there and is a server candidate (docs/RESULTS.md sec. 31c, 32).
 
 Whether it is used for a shape is decided by measurement only (:mod:`sglang_fp8rl.kernels.gemm_select`).
 """
