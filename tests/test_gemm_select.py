@@ -852,3 +852,23 @@ def test_prepare_unwritable_cache_keeps_choices(monkeypatch, tmp_path, caplog):
         got = gs.prepare_shapes([(256, 384)], request("auto", max_m=2), runtime)
     assert len(got) == 2 and "could not write the cache" in caplog.text
     assert gs.select(2, 256, 384) == "fast"
+
+
+def test_the_servers_exclusion_is_the_candidate_set_measured(monkeypatch):
+    """--fp8rl-gemm-exclude, as a scheduler process reads it, reaches the load-time preparation as its candidates."""
+    from sglang_fp8rl.hooks import model_runner
+    from sglang_fp8rl.server_args import ENV_VAR
+
+    pdl = "fp8rl_n64_sk4_pdl"
+    seen: dict = {}
+
+    def prepare_shapes(shapes, request, runtime, agree=None):
+        seen.update(shapes=shapes, exclude=request.exclude, names=list(runtime.candidates))
+        return {}
+
+    monkeypatch.setattr(prepare_mod, "prepare_shapes", prepare_shapes)
+    monkeypatch.setattr(model_runner, "block_shapes", lambda model: [(256, 384)])
+    monkeypatch.setenv(ENV_VAR, Fp8rlOptions(gemm_exclude=(pdl,)).to_json())
+    model_runner._prepare_gemms(types.SimpleNamespace(model=None), agree=None)
+    assert seen == {"shapes": [(256, 384)], "exclude": (pdl,),
+                    "names": [n for n in gs.candidate_names() if n != pdl]}
