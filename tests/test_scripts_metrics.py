@@ -439,6 +439,31 @@ def test_suite_script_syntax():
     subprocess.run(["bash", "-n", os.path.join(SCRIPTS, "gpu", "run_gpu_suite.sh")], check=True)
 
 
+def test_pdl_ab_script_runs_what_it_says():
+    """gemm_pdl_ab.sh: valid bash; the candidate it excludes is one the server has; its bench and roofline command
+    lines parse with those scripts' own parsers."""
+    import re
+    import shlex
+
+    import bench_gemm
+    import decode_roofline
+
+    from sglang_fp8rl.kernels import gemm_select as gs
+
+    path = os.path.join(SCRIPTS, "gpu", "gemm_pdl_ab.sh")
+    subprocess.run(["bash", "-n", path], check=True)
+    text = open(path).read()
+    pdl = re.search(r"^PDL=(\S+)$", text, re.M).group(1)
+    assert gs.check_excluded([pdl]) == (pdl,) and pdl == gs.ours_name(*gs.PDL_CONFIGS[0], pdl=True)
+    gemm = shlex.split(re.search(r"python3 scripts/bench_gemm.py (.*)$", text, re.M).group(1).replace('"', ""))
+    assert bench_gemm.parse_args(gemm).prefetch
+    roof = re.search(r"ROOF=\(python3 scripts/decode_roofline.py (.*?)\)\n", text, re.S).group(1)
+    args = decode_roofline.parse_args([*shlex.split(roof.replace("\n", " ")), "--out", "/tmp/x", "--deadline-s", "190",
+                                       f"--extra-args=--fp8rl-gemm-exclude {pdl}"])
+    assert args.configs == ["fp8_online_blockwise"] and args.batch_sizes == [1, 8, 32]
+    assert args.profile_cells == [] and args.check_cells == []
+
+
 def _suite_stage_args(stage: str) -> list[str]:
     """The bench_rollout.py arguments a run_gpu_suite.sh stage passes, with its shell expansions given values."""
     import re
