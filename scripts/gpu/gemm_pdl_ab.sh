@@ -5,8 +5,8 @@
 #      prefetch)
 #   2. scripts/bench_gemm.py --ms 1,8,16 --prefetch --no-triton: every candidate as a whole linear (SGLang's 1x128
 #      quantizer, then the GEMM) under CUDA graphs
-#   3. scripts/decode_roofline.py, FP8 weights, Triton attention, bs 1 8 32 x context 4k 12k, twice one after the other: with every
-#      server candidate (the load-time selection may choose the dependent launch), then with
+#   3. scripts/decode_roofline.py, FP8 weights, Triton attention, bs 1 8 32 x context 4k 12k, twice one after the
+#      other: with every server candidate (the load-time selection may choose the dependent launch), then with
 #      --fp8rl-gemm-exclude fp8rl_n64_sk4_pdl (the selection of before)
 #   4. the rest of tests/gpu/test_block_gemm.py
 # A step starts only with its minimum time left before DEADLINE (s from start, default 580). Results under $OUT.

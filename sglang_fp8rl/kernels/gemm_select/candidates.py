@@ -198,9 +198,10 @@ def candidate_names() -> list[str]:
     return list(make_candidates())
 
 
-def check_excluded(names: Iterable[str]) -> tuple[str, ...]:
-    """``names`` as a tuple if each is a server candidate other than the default (the fallback), else ValueError."""
-    names, known = tuple(names), candidate_names()
+def check_excluded(names: Iterable[str], known: Sequence[str] | None = None) -> tuple[str, ...]:
+    """``names`` as a tuple if each is a server candidate (``known``: the registry's names, built if not given) other
+    than the default (the fallback), else ValueError."""
+    names, known = tuple(names), candidate_names() if known is None else list(known)
     for name in names:
         if name == DEFAULT:
             raise ValueError(f"{DEFAULT} cannot be excluded: it runs wherever nothing else is chosen")
@@ -211,8 +212,9 @@ def check_excluded(names: Iterable[str]) -> tuple[str, ...]:
 
 def server_candidates(exclude: Iterable[str] = ()) -> dict[str, Candidate]:
     """The server's registry without the candidates named in ``exclude`` (checked by :func:`check_excluded`)."""
-    left_out = set(check_excluded(exclude))
-    return {name: c for name, c in make_candidates().items() if name not in left_out}
+    reg = make_candidates()
+    left_out = set(check_excluded(exclude, list(reg)))
+    return {name: c for name, c in reg.items() if name not in left_out}
 
 
 def choose(us: Mapping[str, float | None], rejected: Mapping[str, str], min_gain: float = MIN_GAIN) -> str:
