@@ -12,7 +12,8 @@ M in {1, 8, 32, 64, 96, 112, 128, 144, 192, 256}:
 * ``fp8rl_fused_n64_sk4``: the same kernel quantizing the BF16 activation itself (one launch), M <= 16;
 * with ``--prefetch``: ``fp8rl_n64_sk4_pf``, the same kernel with each program's weight slice prefetched to L2
   before its loop; ``_pfpdl``, that launched as a programmatic dependent launch waiting for the kernel before it
-  (the activation quantizer) only after the prefetch; ``fp8rl_n64_sk{4,1}_pdl``, the dependent launch alone; M <= 16.
+  (the activation quantizer) only after the prefetch; ``fp8rl_n64_sk{4,1}_pdl``, the dependent launch alone;
+  ``fp8rl_n64_sk{4,1}_qpdl``, our own activation quantizer and the kernel, both dependent launches; M <= 16.
 
 Timing: a CUDA graph of >= 48 back-to-back calls rotating over enough weight copies
 (>= 200 MB) and activation sets that weights come from HBM, median of the replays / calls. Each (shape, M, method)
@@ -51,8 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--no-triton", action="store_true", help="leave out triton_default")
     p.add_argument("--no-ours", action="store_true", help="leave out our kernel (fp8rl_*)")
     p.add_argument("--prefetch", action="store_true",
-                   help="also our kernel with its weight prefetched to L2 (_pf, _pfpdl) and split-K 1 launched "
-                        "with PDL (_sk1_pdl); split-K 4 with PDL (_sk4_pdl) is a server candidate, always measured")
+                   help="also our kernel with its weight prefetched to L2 (_pf, _pfpdl), split-K 1 launched with PDL "
+                        "(_sk1_pdl) and after our own quantizer (_qpdl); split-K 4 with PDL (_sk4_pdl) is a server "
+                        "candidate, always measured")
     p.add_argument("--rot-mb", type=float, default=200.0, help="weight bytes rotated per graph (MB, default 200)")
     p.add_argument("--calls", type=int, default=48, help="calls per CUDA graph (default 48)")
     p.add_argument("--reps", type=int, default=20, help="graph replays timed (median; default 20)")
@@ -116,7 +118,8 @@ def main(argv=None) -> int:
     # the microbenchmark compares every candidate; --tune uses the server's own set, so the cache stays valid there
     cands = gs.make_candidates(sms, triton=not args.no_triton, ours=() if args.no_ours else gs.ALL_OURS_CONFIGS,
                                fused=() if args.no_ours else gs.FUSED_FORMS, pdl=() if args.no_ours else gs.PDL_CONFIGS,
-                               prefetch=gs.PREFETCH_FORMS if args.prefetch and not args.no_ours else ())
+                               prefetch=gs.PREFETCH_FORMS if args.prefetch and not args.no_ours else (),
+                               own_quant=gs.OWN_QUANT_FORMS if args.prefetch and not args.no_ours else ())
     facts = deepgemm.detect()
     info = gs.env_info(facts)
     print("env:", json.dumps(info))

@@ -112,6 +112,26 @@ FUSED_CHECK = QUANTIZER_PREAMBLE + textwrap.dedent(
     assert torch.equal(dirty[0], clean[0]) and torch.equal(dirty[2], clean[2])
     assert torch.isfinite(dirty).all()
     assert bg.block_fp8_linear(x[:0], wq, ws).shape == (0, 64)
+
+    # our own activation quantizer (the first launch of the _qpdl candidates): quant.quantize_activation_groups' codes
+    # and multipliers bit for bit, a K not a multiple of its programs' 8 groups, an all-zero group, a NaN; then
+    # quantizer + GEMM == the fused kernel
+    for m, k in [(1, 4096), (3, 1152), (16, 256), (2, 128)]:
+        x = weight(m, k, torch.bfloat16)
+        x[0, :128] = 0.0
+        if m > 1:
+            x[1, 5] = float("nan")
+        q, s = bg.quantize_activation(x)
+        ref_q, ref_s = quant.quantize_activation_groups(torch.nan_to_num(x, nan=0.0), 128)
+        assert torch.equal(s, ref_s), (m, k)  # the NaN never raised its group's amax
+        nan = torch.isnan(x)  # its own code is the GPU's (min / max drop a NaN there, not in the interpreter)
+        assert torch.equal(q.view(torch.uint8)[~nan], ref_q.view(torch.uint8)[~nan]), (m, k)
+    x = weight(5, 384, torch.bfloat16)
+    wq, ws = quant.quantize_blockwise(weight(200, 384, torch.bfloat16))
+    for split_k in (1, 4):
+        chained = bg.block_fp8_gemm(*bg.quantize_activation(x, pdl=True), wq, ws, torch.float32, split_k=split_k)
+        assert torch.equal(chained, bg.block_fp8_linear(x, wq, ws, torch.float32, split_k=split_k))
+    assert bg.quantize_activation(x[:0])[0].shape == (0, 384)
     print("fused block_gemm interpreter ok")
     """
 )
@@ -162,6 +182,23 @@ def test_block_fp8_linear_rejects_bad_activations(what, x, message) -> None:
     ws = torch.ones(2, 2)
     with pytest.raises(ValueError, match=message):
         bg.block_fp8_linear(x, wq, ws)
+
+
+@pytest.mark.parametrize(
+    "what, x, message",
+    [
+        ("float32", torch.zeros(2, 256), "BF16"),
+        ("K not a multiple of 128", torch.zeros(2, 200, dtype=torch.bfloat16), "multiple of 128"),
+        ("3-D", torch.zeros(1, 2, 256, dtype=torch.bfloat16), "2-D"),
+        ("strided rows", torch.zeros(256, 2, dtype=torch.bfloat16).t(), "contiguous rows"),
+    ],
+)
+def test_quantize_activation_rejects_bad_activations(what, x, message) -> None:
+    pytest.importorskip("triton")
+    from sglang_fp8rl.kernels import block_gemm as bg
+
+    with pytest.raises(ValueError, match=message):
+        bg.quantize_activation(x)
 
 
 def test_block_m_tiles() -> None:

@@ -297,7 +297,11 @@ def test_candidate_set_is_configurable():
     assert list(gs.make_candidates((), ours=(), fused=(), pdl=())) == ["deepgemm_default"]
     assert list(gs.make_candidates((), ours=(), pdl=(), prefetch=gs.PREFETCH_FORMS)) == [
         "deepgemm_default", "fp8rl_n64_sk4_pf", "fp8rl_n64_sk4_pfpdl", "fp8rl_n64_sk4_pdl", "fp8rl_n64_sk1_pdl"]
+    assert list(gs.make_candidates((), ours=(), pdl=(), own_quant=gs.OWN_QUANT_FORMS)) == [
+        "deepgemm_default", "fp8rl_n64_sk4_qpdl", "fp8rl_n64_sk1_qpdl"]
     assert gs.ours_name(64, 4) == "fp8rl_n64_sk4"
+    # not a server candidate until measured on a GPU: the server's set is the default registry
+    assert not any(name.endswith("_qpdl") for name in gs.candidate_names())
 
 
 def test_excluded_candidates_are_left_out_and_their_cached_choices_not_used(caplog):

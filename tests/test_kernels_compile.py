@@ -146,3 +146,27 @@ def test_kernel_asm_finds_the_loop_of_a_listing():
                       "--:-:-:-:5\t@!P0 BRA LBB1;", "--:-:-:-:5\t@!P2 BRA LBB0;", "--:-:-:-:5\tEXIT;"])
     body = kernel_asm.loop_body(sass)  # the longer of the two loops, the inner one nested in it
     assert [kernel_asm.opcode(x) for x in body] == ["IADD3", "LDS.U8", "F2FP.F16.E4M3.UNPACK_B", "BRA", "BRA"]
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_own_activation_quantizer_compiles_for_sm90_and_waits_before_it_reads(pdl):
+    """quantize_activation's kernel: correctly rounded divisions, RNE E4M3 codes; as a dependent launch,
+    griddepcontrol.wait then launch_dependents before the activation is read, and a kernel marked for it."""
+    from sglang_fp8rl.kernels import block_gemm
+
+    constexprs = {"GROUP": 128, "GROUPS": block_gemm.ACT_QUANT_GROUPS, "FP8_MAX": FP8_MAX,
+                  "AMAX_FLOOR_BITS": block_gemm._AMAX_FLOOR_BITS, "PDL": pdl}
+    pointers = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    ints = dict.fromkeys(["K_GROUPS", "stride_xm", "stride_qm", "stride_sm"], "i32")
+    signature = {**pointers, **ints, **dict.fromkeys(constexprs, "constexpr")}
+    compiled = triton.compile(ASTSource(fn=block_gemm._quantize_activation_kernel, signature=signature,
+                                        constexprs=constexprs), target=HOPPER,
+                              options={"num_warps": 4, "launch_pdl": pdl})
+    ptx = compiled.asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2" in ptx and "div.rn.f32" in ptx
+    assert compiled.metadata.launch_pdl == pdl
+    if pdl:
+        wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+        assert wait < trigger < ptx.index("ld.global")
+    else:
+        assert "griddepcontrol" not in ptx

@@ -439,29 +439,31 @@ def test_suite_script_syntax():
     subprocess.run(["bash", "-n", os.path.join(SCRIPTS, "gpu", "run_gpu_suite.sh")], check=True)
 
 
-def test_pdl_ab_script_runs_what_it_says():
-    """gemm_pdl_ab.sh: valid bash; the candidate it excludes is one the server has; its bench and roofline command
-    lines parse with those scripts' own parsers."""
-    import re
+@pytest.mark.parametrize("exclude", [None, "fp8rl_n64_sk4_pdl deepgemm_sms_124"])
+def test_gemm_ab_stage_runs_the_roofline_twice_the_second_without_the_candidates(tmp_path, exclude):
+    """run_gpu_suite.sh gemm_ab: two roofline runs whose command lines parse with decode_roofline's own parser, the
+    same cells, the second excluding (by names the server checks at start) what GEMM_AB_EXCLUDE names."""
     import shlex
 
-    import bench_gemm
     import decode_roofline
+    from suite_stage import stage_command_lines
 
     from sglang_fp8rl.kernels import gemm_select as gs
 
-    path = os.path.join(SCRIPTS, "gpu", "gemm_pdl_ab.sh")
-    subprocess.run(["bash", "-n", path], check=True)
-    text = open(path).read()
-    pdl = re.search(r"^PDL=(\S+)$", text, re.M).group(1)
-    assert gs.check_excluded([pdl]) == (pdl,) and pdl == gs.ours_name(*gs.PDL_CONFIGS[0], pdl=True)
-    gemm = shlex.split(re.search(r"python3 scripts/bench_gemm.py (.*)$", text, re.M).group(1).replace('"', ""))
-    assert bench_gemm.parse_args(gemm).prefetch
-    roof = re.search(r"ROOF=\(python3 scripts/decode_roofline.py (.*?)\)\n", text, re.S).group(1)
-    args = decode_roofline.parse_args([*shlex.split(roof.replace("\n", " ")), "--out", "/tmp/x", "--deadline-s", "190",
-                                       f"--extra-args=--fp8rl-gemm-exclude {pdl}"])
-    assert args.configs == ["fp8_online_blockwise"] and args.batch_sizes == [1, 8, 32]
-    assert args.profile_cells == [] and args.check_cells == []
+    env = {} if exclude is None else {"GEMM_AB_EXCLUDE": exclude}
+    lines = stage_command_lines(tmp_path, "gemm_ab", "scripts/decode_roofline.py",
+                                unset=("GEMM_AB_EXCLUDE", "GEMM_AB_ARGS"), **env)
+    assert len(lines) == 2
+    # the stand-in python3 records "$*": the one argument --extra-args=... comes back split at its spaces (it is last)
+    runs = [decode_roofline.parse_args([*shlex.split(ln.partition(" --extra-args=")[0])[2:],
+                                        f"--extra-args={ln.partition(' --extra-args=')[2]}"]) for ln in lines]
+    assert runs[0].configs == runs[1].configs == ["fp8_online_blockwise"]
+    assert runs[0].batch_sizes == runs[1].batch_sizes == [1, 8, 32] and runs[0].contexts == [4096, 12288]
+    assert runs[0].attention_backend == "triton" and runs[0].profile_cells == [] and runs[0].check_cells == []
+    assert runs[0].extra_args == "" and runs[0].out != runs[1].out
+    names = (exclude or "fp8rl_n64_sk4_pdl").split()
+    assert runs[1].extra_args.split() == [w for name in names for w in ("--fp8rl-gemm-exclude", name)]
+    assert gs.check_excluded(names) == tuple(names)
 
 
 def _suite_stage_args(stage: str) -> list[str]:

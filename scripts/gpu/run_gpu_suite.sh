@@ -28,6 +28,11 @@
 #             allocated as by a real one), against its floor (bytes / measured copy bandwidth, FLOPs / dense peak):
 #             efficiency, speed-ups over BF16, issue 35's per-step targets, a kernel breakdown of 8 x 4k and 128 x 1k;
 #             ROOFLINE_ARGS                                                              (~4-7.5 min: own call)
+#   gemm_ab   a GEMM candidate's share of the served decode step: scripts/decode_roofline.py twice, one after the
+#             other, with every server candidate and then with --fp8rl-gemm-exclude for each name in GEMM_AB_EXCLUDE
+#             (default fp8rl_n64_sk4_pdl); GEMM_AB_ARGS replaces the roofline's default here (FP8 weights, Triton
+#             attention, bs 1 8 32 x 4k 12k, no profile); with TESTS="tests/gpu/test_block_gemm.py" and
+#             GEMM_ARGS="--ms 1,8,16 --prefetch --no-triton": tests gemm gemm_ab          (~7-9 min: own call)
 #   profile   scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode --batch-sizes 64 128
 #             --output-len 256 (top decode kernels by CUDA time)                        (~1.5-2 min)
 #   moe       scripts/bench_rollout.py --moe (Qwen3-30B-A3B shapes, bs 32 64, out 512, mem 0.88) (~6-9 min: own call)
@@ -108,7 +113,8 @@
 # stdout ends with the summary (stage table + each stage's own table).
 # Env: OUT, WORK, DEADLINE (s from start; 570), TESTS, T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
 #      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, KV_ARGS, KV_FI_ARGS, KV_ACC_ARGS, SERVER_ARGS, UPDATE_ARGS, GEMM_ARGS,
-#      STARTUP_ARGS, DEMO_ARGS, RL_ARGS, RL_ROLLOUT_ARGS, ROOFLINE_ARGS, COLOCATED_ARGS, BROADCAST_ARGS, SERVER_STEP_ARGS
+#      STARTUP_ARGS, DEMO_ARGS, RL_ARGS, RL_ROLLOUT_ARGS, ROOFLINE_ARGS, COLOCATED_ARGS, BROADCAST_ARGS, SERVER_STEP_ARGS,
+#      GEMM_AB_ARGS, GEMM_AB_EXCLUDE
 #      (extra args per script),
 #      UPDATE_SCRIPT.
 set -u
@@ -227,6 +233,18 @@ for st in "$@"; do
     roofline)  # the decode roofline: one bench_one_batch process per config, each given at most 240 s
       l=$(left); run_stage roofline 150 560 $PY scripts/decode_roofline.py --out "$WORK/roofline" \
         --model-dir "$MODELS" --deadline-s $(( l - 25 )) ${ROOFLINE_ARGS:-} ;;
+    gemm_ab)  # a GEMM candidate's share of the served decode step: the roofline with every server candidate, then,
+      # one after the other on the same GPU, without the candidates named in GEMM_AB_EXCLUDE
+      ab=(--configs fp8_online_blockwise --batch-sizes 1 8 32 --contexts 4096 12288 --profile-cells --check-cells
+          --attention-backend triton)
+      # shellcheck disable=SC2206
+      [ -n "${GEMM_AB_ARGS:-}" ] && ab=($GEMM_AB_ARGS)
+      ex=""; for name in ${GEMM_AB_EXCLUDE:-fp8rl_n64_sk4_pdl}; do ex="$ex --fp8rl-gemm-exclude $name"; done
+      half=$(( ($(left) - 20) / 2 ))
+      run_stage gemm_ab_all 120 "$half" $PY scripts/decode_roofline.py --out "$WORK/gemm_ab/all" \
+        --model-dir "$MODELS" --deadline-s $(( half - 15 )) "${ab[@]}"
+      l=$(left); run_stage gemm_ab_without 100 560 $PY scripts/decode_roofline.py --out "$WORK/gemm_ab/without" \
+        --model-dir "$MODELS" --deadline-s $(( l - 25 )) "${ab[@]}" "--extra-args=${ex# }" ;;
     profile)
       l=$(left); run_stage profile 120 400 $PY scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode \
         --batch-sizes 64 128 --output-len 256 --out "$WORK/profile" --model-dir "$MODELS" --deadline-s $(( l - 25 )) \
@@ -306,6 +324,10 @@ SUM=$WORK/suite_summary_$STAMP.md
       demo) [ -f "$LOGS/demo.log" ] && { echo; echo "## demo"; grep -E "^\[demo\] .*(healthy|FAILED)" "$LOGS/demo.log"
                 sed -n '/^== \(scheme summary\|server start-up\)/,$p' "$LOGS/demo.log" | cut -c1-250; } ;;
       gemm) [ -f "$LOGS/gemm.log" ] && { echo; echo "## gemm"; grep -E "^\||^copy" "$LOGS/gemm.log" | head -60; } ;;
+      gemm_ab) for d in all without; do [ -f "$WORK/gemm_ab/$d/roofline.md" ] || continue
+                 echo; echo "## gemm_ab: $d (excluded: ${GEMM_AB_EXCLUDE:-fp8rl_n64_sk4_pdl})"
+                 grep -h "gemm_select" "$WORK/gemm_ab/$d"/raw/*.log 2>/dev/null | head -5
+                 sed -n '/^### /,/^Cells/p' "$WORK/gemm_ab/$d/roofline.md" | head -24; done ;;
     esac
   done
 } > "$SUM"
@@ -322,7 +344,8 @@ for pair in rollout/results.json:rollout_results.json accuracy/accuracy.json:acc
             rl_rollout/completion.png:rl_rollout.png rl_rollout/answers.json:rl_rollout_answers.json \
             tail/results.json:tail_results.json tail/profile_top_kernels.txt:tail_profile.txt \
             eager/results.json:eager_results.json roofline/roofline.json:roofline.json roofline/roofline.md:roofline.md \
-            server_step/profile_server_step.json:profile_server_step.json; do
+            server_step/profile_server_step.json:profile_server_step.json gemm_ab/all/roofline.json:gemm_ab_all.json \
+            gemm_ab/without/roofline.json:gemm_ab_without.json; do
   src=$WORK/${pair%%:*}
   if [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && [ "$NCOPY" -lt 6 ]; then  # $OUT returns at most 8 files
     cp "$src" "$OUT/${pair##*:}" && NCOPY=$(( NCOPY + 1 ))

@@ -28,6 +28,9 @@ dense model, docs/RESULTS.md sec. 7) want many small weight tiles in flight, not
   anything that kernel may have written is read (after the prefetch, when both are on: the weights never depend on
   it). The prefetch made every linear slower on an H100 (``scripts/bench_gemm.py --prefetch`` only); the dependent
   launch saves 1.2-1.5 us a call there and is a server candidate (docs/RESULTS.md sec. 31c, 32).
+* :func:`quantize_activation`: the 1x128 activation quantizer of our own, with the arithmetic of ``QUANT_X``, that can
+  itself be a dependent launch (``pdl=True``), so that the chain norm -> quantizer -> GEMM overlaps both launches
+  with the kernel before them, not only the GEMM's (SGLang's quantizer is a plain launch).
 
 Whether it is used for a shape is decided by measurement only (:mod:`sglang_fp8rl.kernels.gemm_select`).
 """
@@ -59,6 +62,9 @@ MAX_BLOCK_M = 128
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}  # per (device, stream): int32 per-tile counters
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no inline PTX: no prefetch, no PDL
 PREFETCH_ALIGN = 16  # cp.async.bulk.prefetch takes 16-byte aligned addresses and sizes
+# groups a program of quantize_activation takes: a 4096-wide row in 4 programs, 12288 in 12 (decode rows are few, so
+# programs along K keep the launch short)
+ACT_QUANT_GROUPS = 8
 
 
 @triton.jit
@@ -146,6 +152,43 @@ def _store_out(acc, out_ptr, bias_ptr, offs_n, offs_m, n_ok, out_mask, stride_om
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, K_GROUPS, stride_xm, stride_qm, stride_sm,
+                                GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr,
+                                AMAX_FLOOR_BITS: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    g_ok = offs_g < K_GROUPS
+    cols = tl.arange(0, GROUP)[:, None] + offs_g[None, :] * GROUP  # [GROUP, GROUPS]: a group per column
+    if PDL:
+        gdc_wait()  # x is the output of the kernel before this one
+        gdc_launch_dependents()  # the GEMM's programs may start now; they wait for this grid before reading q / s
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=g_ok[None, :], other=0.0)
+    q, scale = _quantize_columns(x, FP8_MAX, AMAX_FLOOR_BITS)
+    tl.store(q_ptr + row * stride_qm + cols, q, mask=g_ok[None, :])
+    tl.store(s_ptr + row * stride_sm + offs_g, scale, mask=g_ok)
+
+
+def quantize_activation(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] BF16 -> (e4m3 codes [M, K], float32 dequantization multipliers [M, K/128]), bit for bit
+    :func:`sglang_fp8rl.quant.quantize_activation_groups`; ``pdl``: launched as a programmatic dependent launch."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % GROUP_K:
+        raise ValueError(f"quantize_activation: x must be a 2-D BF16 tensor with contiguous rows and K a multiple "
+                         f"of {GROUP_K}, got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, k // GROUP_K, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, s
+    groups = ACT_QUANT_GROUPS
+    pdl = pdl and not _INTERPRETED
+    _quantize_activation_kernel[(m, triton.cdiv(k // GROUP_K, groups))](
+        x, q, s, k // GROUP_K, x.stride(0), q.stride(0), s.stride(0), GROUP=GROUP_K, GROUPS=groups,
+        FP8_MAX=FP8_MAX, AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )
+    return q, s
 
 
 def block_m_for(m: int) -> int:

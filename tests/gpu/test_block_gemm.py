@@ -219,3 +219,46 @@ def test_weight_prefetch_and_pdl_give_the_default_kernels_bits(split_k, prefetch
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, block_fp8_gemm(*source[1], wq, ws, split_k=split_k))
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "qpdl"])
+def test_own_activation_quantizer_gives_the_references_codes_and_the_fused_kernels_bits(split_k, pdl):
+    """block_gemm.quantize_activation == quant.quantize_activation_groups bit for bit (codes and multipliers), and
+    the chain quantizer -> GEMM (both dependent launches with ``pdl``) == block_fp8_linear, eagerly and in a CUDA
+    graph whose kernel before the quantizer writes its input (a copy), replayed after that input changed."""
+    from sglang_fp8rl.kernels.block_gemm import block_fp8_gemm, block_fp8_linear, quantize_activation
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def activation(m, k):
+        x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        return x * torch.exp(torch.randn(m, 1, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+
+    for n, k in SHAPES:
+        wq, ws = gs.random_block_weight(n, k, "cuda", gen)
+        for m in (1, 7, 16):
+            x = activation(m, k)
+            xq, xs = quantize_activation(x, pdl=pdl)
+            ref_q, ref_s = quantize_activation_groups(x, 128)
+            assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8)), f"K={k} M={m} (seed {seed})"
+            assert torch.equal(xs, ref_s), f"K={k} M={m} (seed {seed})"
+            chained = block_fp8_gemm(xq, xs, wq, ws, split_k=split_k, pdl=pdl)
+            assert torch.equal(chained, block_fp8_linear(x, wq, ws, split_k=split_k)), f"N={n} K={k} M={m}"
+    sources = [activation(7, k) for _ in range(2)]
+    x, src = sources[0].clone(), sources[0].clone()
+
+    def linear():
+        x.copy_(src)  # the kernel before the quantizer writes what it reads after its wait
+        xq, xs = quantize_activation(x, pdl=pdl)
+        return block_fp8_gemm(xq, xs, wq, ws, split_k=split_k, pdl=pdl)
+
+    linear()  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = linear()
+    src.copy_(sources[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, block_fp8_linear(sources[1], wq, ws, split_k=split_k))

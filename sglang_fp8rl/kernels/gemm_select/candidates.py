@@ -16,7 +16,9 @@ fp32, bias | None) -> [.., N]``, what each can run (and why not), and the one ch
   (``block_fp8_linear``: one launch a linear; its activation codes are ``quant.quantize_activation_groups``', which
   may differ from SGLang's quantizer's by one step, so it is checked against the float64 product like every
   candidate; a non-BF16 activation takes the unfused path), no faster on an H100 (sec. 31a); and ``fp8rl_*_pf`` /
-  ``_pfpdl``, the weight slice prefetched to L2 first, slower on an H100 (sec. 31c).
+  ``_pfpdl``, the weight slice prefetched to L2 first, slower on an H100 (sec. 31c); ``fp8rl_*_qpdl``, our own
+  activation quantizer then our kernel, both dependent launches (its codes are ``quantize_activation_groups``', so
+  it is checked like the fused form).
 
 ``--fp8rl-gemm-exclude`` leaves named candidates out of the server's set (:func:`server_candidates`).
 """
@@ -64,6 +66,11 @@ PREFETCH_FORMS = ((64, 4, True, False), (64, 4, True, True), (64, 4, False, True
 # (block_n, split_k) of block_gemm launched as a programmatic dependent launch (no prefetch), server candidates
 # beside the plain launch of OURS_CONFIGS: its programs start while SGLang's activation quantizer drains
 PDL_CONFIGS = ((64, 4),)
+# (block_n, split_k) of block_gemm after our own activation quantizer (block_gemm.quantize_activation), both launched
+# as programmatic dependent launches (the quantizer's launch overlaps the norm before it, the GEMM's the quantizer):
+# scripts/bench_gemm.py --prefetch measures them; no server candidate until measured on a GPU
+OWN_QUANT_FORMS = ((64, 4), (64, 1))
+OWN_QUANT_CONFIGS = ()
 MIN_GAIN = 0.03  # a non-default candidate must beat the default by this fraction
 
 GemmFn = Callable[[Any, Any, Any, Any], Any]
@@ -131,25 +138,29 @@ def _triton_fn(x: Any, weight: Any, scale: Any, bias: Any) -> Any:
     return sglang_block_call(sglang_fp8_utils().triton_w8a8_block_fp8_linear, x, weight, scale, bias)
 
 
-def _ours_fn(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = False) -> GemmFn:
+def _ours_fn(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = False,
+             own_quant: bool = False) -> GemmFn:
     def fn(x: Any, weight: Any, scale: Any, bias: Any) -> Any:
         # imported at the first call: it imports Triton, which not every platform that builds a registry has
-        from sglang_fp8rl.kernels.block_gemm import block_fp8_gemm
+        from sglang_fp8rl.kernels.block_gemm import block_fp8_gemm, quantize_activation
 
-        x2d = x.reshape(-1, x.shape[-1])
-        # row-major [M, K/128] scales
-        xq, xs = sglang_fp8_kernel().sglang_per_token_group_quant_fp8(x2d.contiguous(), BLOCK[1])
+        x2d = x.reshape(-1, x.shape[-1]).contiguous()
+        if own_quant and x2d.dtype == torch.bfloat16:  # our quantizer reads BF16 bits
+            xq, xs = quantize_activation(x2d, pdl=pdl)
+        else:  # row-major [M, K/128] scales
+            xq, xs = sglang_fp8_kernel().sglang_per_token_group_quant_fp8(x2d, BLOCK[1])
         out = block_fp8_gemm(xq, xs, weight, scale, x.dtype, bias, block_n=block_n, split_k=split_k,
                              prefetch=prefetch, pdl=pdl)
         return out.view(*x.shape[:-1], weight.shape[0])
 
-    fn.__name__ = ours_name(block_n, split_k, prefetch, pdl)
+    fn.__name__ = ours_name(block_n, split_k, prefetch, pdl, own_quant)
     return fn
 
 
-def ours_name(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = False) -> str:
-    """A candidate name of block_gemm's kernel: ``fp8rl_n64_sk4``, suffixed ``_pf``, ``_pfpdl`` or ``_pdl``."""
-    form = "pf" * prefetch + "pdl" * pdl
+def ours_name(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = False, own_quant: bool = False) -> str:
+    """A candidate name of block_gemm's kernel: ``fp8rl_n64_sk4``, suffixed ``_pf``, ``_pfpdl``, ``_pdl`` or, with
+    our own activation quantizer, ``_q`` / ``_qpdl``."""
+    form = "q" * own_quant + "pf" * prefetch + "pdl" * pdl
     return f"{OURS_PREFIX}n{block_n}_sk{split_k}" + (f"_{form}" if form else "")
 
 
@@ -173,19 +184,22 @@ def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = False,
                     ours: Sequence[tuple[int, int]] = OURS_CONFIGS,
                     fused: Sequence[tuple[int, int]] = FUSED_CONFIGS,
                     pdl: Sequence[tuple[int, int]] = PDL_CONFIGS,
-                    prefetch: Sequence[tuple[int, int, bool, bool]] = ()) -> dict[str, Candidate]:
+                    prefetch: Sequence[tuple[int, int, bool, bool]] = (),
+                    own_quant: Sequence[tuple[int, int]] = OWN_QUANT_CONFIGS) -> dict[str, Candidate]:
     """The registry: default first (the autotune relies on that order), num_sms variants, Triton (off by default:
     SGLang's untuned Triton block GEMM never won a bucket on an H100), ours, ours as a dependent launch, its
-    prefetch forms, ours with the activation quantized in the kernel."""
+    prefetch forms, ours after our own quantizer (both dependent launches), ours with the activation quantized in
+    the kernel."""
     reg = {DEFAULT: Candidate(DEFAULT, _default_fn)}
     for n in sms:
         reg[f"{SMS_PREFIX}{n}"] = Candidate(f"{SMS_PREFIX}{n}", _sms_fn(int(n)), needs_deepgemm=True, num_sms=int(n))
     if triton:
         reg[TRITON] = Candidate(TRITON, _triton_fn)
-    forms = [(*c, False, False) for c in ours] + [(*c, False, True) for c in pdl] + list(prefetch)
-    for block_n, split_k, pf, dependent in forms:
-        name = ours_name(block_n, split_k, pf, dependent)
-        reg[name] = Candidate(name, _ours_fn(block_n, split_k, pf, dependent), max_m=OURS_MAX_M,
+    forms = ([(*c, False, False, False) for c in ours] + [(*c, False, True, False) for c in pdl]
+             + [(*c, False) for c in prefetch] + [(*c, False, True, True) for c in own_quant])
+    for block_n, split_k, pf, dependent, own in forms:
+        name = ours_name(block_n, split_k, pf, dependent, own)
+        reg[name] = Candidate(name, _ours_fn(block_n, split_k, pf, dependent, own), max_m=OURS_MAX_M,
                               k_multiple=BLOCK[1])
     for block_n, split_k in fused:
         name = f"{FUSED_PREFIX}n{block_n}_sk{split_k}"
