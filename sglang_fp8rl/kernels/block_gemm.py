@@ -30,7 +30,8 @@ dense model, docs/RESULTS.md sec. 7) want many small weight tiles in flight, not
   launch saves 1.2-1.5 us a call there and is a server candidate (docs/RESULTS.md sec. 31c, 32).
 * :func:`quantize_activation`: the 1x128 activation quantizer of our own, with the arithmetic of ``QUANT_X``, that can
   itself be a dependent launch (``pdl=True``), so that the chain norm -> quantizer -> GEMM overlaps both launches
-  with the kernel before them, not only the GEMM's (SGLang's quantizer is a plain launch).
+  with the kernel before them, not only the GEMM's (SGLang's quantizer is a plain launch). On an H100 that chain was
+  0.2-0.3 us a call faster at M 1 only, the spread of two runs (docs/RESULTS.md sec. 33a): a benchmark form.
 
 Whether it is used for a shape is decided by measurement only (:mod:`sglang_fp8rl.kernels.gemm_select`).
 """

@@ -68,7 +68,8 @@ PREFETCH_FORMS = ((64, 4, True, False), (64, 4, True, True), (64, 4, False, True
 PDL_CONFIGS = ((64, 4),)
 # (block_n, split_k) of block_gemm after our own activation quantizer (block_gemm.quantize_activation), both launched
 # as programmatic dependent launches (the quantizer's launch overlaps the norm before it, the GEMM's the quantizer):
-# scripts/bench_gemm.py --prefetch measures them; no server candidate until measured on a GPU
+# scripts/bench_gemm.py --prefetch measures them. No server candidate: on an H100 split-K 4 was 0.2-0.3 us under
+# fp8rl_n64_sk4_pdl at M 1 (the spread of two runs) and up to 0.8 us over it at M 8-16 (docs/RESULTS.md sec. 33a)
 OWN_QUANT_FORMS = ((64, 4), (64, 1))
 OWN_QUANT_CONFIGS = ()
 MIN_GAIN = 0.03  # a non-default candidate must beat the default by this fraction
