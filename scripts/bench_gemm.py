@@ -116,10 +116,11 @@ def main(argv=None) -> int:
     shapes = parse_shapes(args.shapes)
     sms = tuple(int(v) for v in args.sms.split(",")) if args.sms else gs.DEFAULT_SMS
     # the microbenchmark compares every candidate; --tune uses the server's own set, so the cache stays valid there
+    launch_forms = args.prefetch and not args.no_ours  # prefetch and dependent-launch forms of our kernel
     cands = gs.make_candidates(sms, triton=not args.no_triton, ours=() if args.no_ours else gs.ALL_OURS_CONFIGS,
                                fused=() if args.no_ours else gs.FUSED_FORMS, pdl=() if args.no_ours else gs.PDL_CONFIGS,
-                               prefetch=gs.PREFETCH_FORMS if args.prefetch and not args.no_ours else (),
-                               own_quant=gs.OWN_QUANT_FORMS if args.prefetch and not args.no_ours else ())
+                               prefetch=gs.PREFETCH_FORMS if launch_forms else (),
+                               own_quant=gs.OWN_QUANT_FORMS if launch_forms else ())
     facts = deepgemm.detect()
     info = gs.env_info(facts)
     print("env:", json.dumps(info))

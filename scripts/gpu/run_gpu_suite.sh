@@ -123,6 +123,7 @@ T0=$(date +%s)
 DEADLINE=${DEADLINE:-570}
 OUT=${OUT:-/tmp/fp8rl_out}
 WORK=${WORK:-/tmp/fp8rl_suite}
+GEMM_AB_EXCLUDE=${GEMM_AB_EXCLUDE:-fp8rl_n64_sk4_pdl}  # what gemm_ab's second roofline leaves out
 MODELS=$WORK/models
 LOGS=$WORK/logs
 STAMP=$(date +%H%M%S)
@@ -239,7 +240,7 @@ for st in "$@"; do
           --attention-backend triton)
       # shellcheck disable=SC2206
       [ -n "${GEMM_AB_ARGS:-}" ] && ab=($GEMM_AB_ARGS)
-      ex=""; for name in ${GEMM_AB_EXCLUDE:-fp8rl_n64_sk4_pdl}; do ex="$ex --fp8rl-gemm-exclude $name"; done
+      ex=""; for name in $GEMM_AB_EXCLUDE; do ex="$ex --fp8rl-gemm-exclude $name"; done
       half=$(( ($(left) - 20) / 2 ))
       run_stage gemm_ab_all 120 "$half" $PY scripts/decode_roofline.py --out "$WORK/gemm_ab/all" \
         --model-dir "$MODELS" --deadline-s $(( half - 15 )) "${ab[@]}"
@@ -325,7 +326,7 @@ SUM=$WORK/suite_summary_$STAMP.md
                 sed -n '/^== \(scheme summary\|server start-up\)/,$p' "$LOGS/demo.log" | cut -c1-250; } ;;
       gemm) [ -f "$LOGS/gemm.log" ] && { echo; echo "## gemm"; grep -E "^\||^copy" "$LOGS/gemm.log" | head -60; } ;;
       gemm_ab) for d in all without; do [ -f "$WORK/gemm_ab/$d/roofline.md" ] || continue
-                 echo; echo "## gemm_ab: $d (excluded: ${GEMM_AB_EXCLUDE:-fp8rl_n64_sk4_pdl})"
+                 echo; echo "## gemm_ab: $d (excluded: $GEMM_AB_EXCLUDE)"
                  grep -h "gemm_select" "$WORK/gemm_ab/$d"/raw/*.log 2>/dev/null | head -5
                  sed -n '/^### /,/^Cells/p' "$WORK/gemm_ab/$d/roofline.md" | head -24; done ;;
     esac

@@ -134,6 +134,12 @@ def test_ours_is_reproducible_and_graph_safe(split_k):
     assert gs.rel_error(eager[0], ref) <= BOUND
 
 
+def bf16_activation(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """BF16 rows of very different magnitudes (one random scale a token), as decode activations are."""
+    x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    return x * torch.exp(torch.randn(m, 1, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("split_k", [1, 2, 4])
 def test_fused_activation_quantization_equals_the_unfused_kernel_bit_for_bit(split_k):
     """block_fp8_linear (the BF16 activation quantized inside the kernel) == quant.quantize_activation_groups (on
@@ -146,8 +152,7 @@ def test_fused_activation_quantization_equals_the_unfused_kernel_bit_for_bit(spl
     for n, k in SHAPES:
         wq, ws = gs.random_block_weight(n, k, "cuda", gen)
         for m in (1, 7, 16):
-            x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-            x = x * torch.exp(torch.randn(m, 1, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+            x = bf16_activation(m, k, gen)
             xq, xs = quantize_activation_groups(x, 128)
             unfused = block_fp8_gemm(xq, xs, wq, ws, split_k=split_k)
             fused = block_fp8_linear(x, wq, ws, split_k=split_k)
@@ -232,21 +237,17 @@ def test_own_activation_quantizer_gives_the_references_codes_and_the_fused_kerne
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
-    def activation(m, k):
-        x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-        return x * torch.exp(torch.randn(m, 1, device="cuda", generator=gen) * 3).to(torch.bfloat16)
-
     for n, k in SHAPES:
         wq, ws = gs.random_block_weight(n, k, "cuda", gen)
         for m in (1, 7, 16):
-            x = activation(m, k)
+            x = bf16_activation(m, k, gen)
             xq, xs = quantize_activation(x, pdl=pdl)
             ref_q, ref_s = quantize_activation_groups(x, 128)
             assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8)), f"K={k} M={m} (seed {seed})"
             assert torch.equal(xs, ref_s), f"K={k} M={m} (seed {seed})"
             chained = block_fp8_gemm(xq, xs, wq, ws, split_k=split_k, pdl=pdl)
             assert torch.equal(chained, block_fp8_linear(x, wq, ws, split_k=split_k)), f"N={n} K={k} M={m}"
-    sources = [activation(7, k) for _ in range(2)]
+    sources = [bf16_activation(7, k, gen) for _ in range(2)]
     x, src = sources[0].clone(), sources[0].clone()
 
     def linear():
