@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 import torch
-from triton_interpreter import QUANTIZER_PREAMBLE, check_under_interpreter
+from triton_interpreter import E4M3_RNE_PREAMBLE, QUANTIZER_PREAMBLE, check_under_interpreter
 
 from sglang_fp8rl.kernels import gemm_select as gs
 
@@ -69,21 +69,9 @@ def test_block_gemm_under_the_triton_interpreter() -> None:
     check_under_interpreter(INTERPRETER_CHECK, "block_gemm interpreter ok")
 
 
-FUSED_CHECK = QUANTIZER_PREAMBLE + textwrap.dedent(
+FUSED_CHECK = QUANTIZER_PREAMBLE + E4M3_RNE_PREAMBLE + textwrap.dedent(
     """
     from sglang_fp8rl.kernels import block_gemm as bg
-
-    # the interpreter's float32 -> E4M3 cast rounds half up and never carries into the exponent (124.9 -> 64, not
-    # 128); the GPU's is cvt.rn.satfinite (round to nearest even), as torch's cast is: use torch's for that pair
-    _fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
-
-    def fp_to_fp(self, src, dst_type, rounding_mode):
-        if src.dtype.scalar.name == "fp32" and dst_type.scalar.name == "fp8e4nv":
-            codes = torch.from_numpy(src.data.copy()).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-            return interpreter.TensorHandle(codes, dst_type.scalar)
-        return _fp_to_fp(self, src, dst_type, rounding_mode)
-
-    interpreter.InterpreterBuilder.create_fp_to_fp = fp_to_fp
 
     # block_fp8_linear (the activation quantized inside the kernel) against quant.quantize_activation_groups followed
     # by block_fp8_gemm: the same codes and multipliers, the same loop, so the same float32 bits

@@ -52,3 +52,36 @@ QUANTIZER_PREAMBLE = textwrap.dedent(
         return (quant.round_to_bf16(w).float() / s_expanded).clamp(-quant.FP8_MAX, quant.FP8_MAX)
     """
 )
+
+
+# The GPU's float32 -> E4M3 cast (cvt.rn.satfinite, round to nearest even, as torch's) for the interpreter, whose own
+# cast rounds half up and never carries into the exponent (124.9 -> 64, not 128). Follows QUANTIZER_PREAMBLE.
+E4M3_RNE_PREAMBLE = textwrap.dedent(
+    """
+    _fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar.name == "fp32" and dst_type.scalar.name == "fp8e4nv":
+            codes = torch.from_numpy(src.data.copy()).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(codes, dst_type.scalar)
+        return _fp_to_fp(self, src, dst_type, rounding_mode)
+
+    interpreter.InterpreterBuilder.create_fp_to_fp = fp_to_fp
+    """
+)
+
+# The GPU's float32 -> BF16 cast (cvt.rn.bf16, round to nearest even, as torch's) for the interpreter, whose own
+# cast truncates. Follows QUANTIZER_PREAMBLE.
+BF16_RNE_PREAMBLE = textwrap.dedent(
+    """
+    _fp_trunc = interpreter.InterpreterBuilder.create_fp_trunc
+
+    def fp_trunc(self, src, dst_type):
+        if src.dtype.scalar.name == "fp32" and dst_type.scalar.name == "bf16":
+            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+            return interpreter.TensorHandle(bits.numpy().view(np.uint16), dst_type.scalar)
+        return _fp_trunc(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.create_fp_trunc = fp_trunc
+    """
+)

@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""What fusing the 1x128 activation quantizer into the kernel that makes a decode linear's input would save (GPU).
+
+For Qwen3-8B's producers at M (running sequences) in ``--ms``, under CUDA graphs (``gemm_select.time_graph``: 48
+back-to-back calls rotating over operand sets, median of the replays):
+
+* norm: SGLang's ``RMSNorm`` (its CUDA forward, the residual added in place, as before qkv and gate_up) alone; then
+  followed by SGLang's 1x128 quantizer as its DeepGEMM linear calls it (column-major, TMA-aligned scales); then
+  ``norm_quant.add_rmsnorm_quant`` (one launch, the same scale layout);
+* silu: SGLang's ``SiluAndMul`` alone, followed by the quantizer, and ``norm_quant.silu_mul_quant``.
+
+Each fused output is checked against SGLang's unfused one: the BF16 outputs (the share of equal values, the largest
+difference in BF16 steps) and the codes (the fused kernel's are ``quant.quantize_activation_groups`` of its own BF16
+output, bit for bit). The per-step estimate: 36 layers x (2 norms + 1 SiLU) x (unfused pair - fused).
+
+Usage (GPU): python scripts/bench_norm_quant.py [--ms 1,8,32,128,384] [--hidden 4096] [--intermediate 12288]
+             [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import _paths  # noqa: F401  (this checkout's sglang_fp8rl first on sys.path)
+
+LAYERS = 36  # Qwen3-8B
+EPS = 1e-6
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ms", default="1,8,32,128,384", help="comma list of M (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=4096, help="the norm's width (default: Qwen3-8B's 4096)")
+    p.add_argument("--intermediate", type=int, default=12288, help="the SiLU output's width (default 12288)")
+    p.add_argument("--nrot", type=int, default=8, help="operand sets rotated in a graph (default 8)")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    return p.parse_args(argv)
+
+
+def bf16_steps(a, b) -> int:
+    """The largest distance between two BF16 tensors in BF16 steps (ordered bit patterns)."""
+    import torch
+
+    def ordered(t):
+        bits = t.view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return int((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0
+
+
+def compare(fused, unfused) -> dict:
+    """How the fused kernel's (out, codes, scales) relate to the unfused pair's and to its own output's quantization."""
+    import torch
+
+    from sglang_fp8rl.quant import quantize_activation_groups
+
+    out, q, s = (t.cpu() for t in fused)  # the reference on the CPU: quant.py's stated division (tests/gpu)
+    ref_out = unfused[0].cpu()
+    own_q, own_s = quantize_activation_groups(out, 128)
+    return {"out_equal_share": float((out == ref_out).float().mean()), "out_max_steps": bf16_steps(out, ref_out),
+            "codes_are_own_quantization": bool(torch.equal(q.view(torch.uint8), own_q.view(torch.uint8))
+                                               and torch.equal(s.contiguous(), own_s))}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_norm_quant.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from sglang.srt.layers.activation import SiluAndMul
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    from sglang_fp8rl.kernels.deepgemm import sglang_fp8_kernel
+
+    quantize = sglang_fp8_kernel().sglang_per_token_group_quant_fp8
+
+    def sglang_quant(t):
+        return quantize(t, 128, column_major_scales=True, scale_tma_aligned=True, scale_ue8m0=False)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h, inter, nrot = args.hidden, args.intermediate, args.nrot
+    norm = RMSNorm(h, eps=EPS).cuda().to(torch.bfloat16)
+    norm.weight.data = (1 + 0.1 * torch.randn(h, device="cuda", generator=gen)).to(torch.bfloat16)
+    silu = SiluAndMul()
+    results = {"args": vars(args), "device": torch.cuda.get_device_name(), "rows": []}
+    for m in [int(v) for v in args.ms.split(",")]:
+        row = measure_m(m, h, inter, nrot, gen, norm, silu, sglang_quant)
+        results["rows"].append(row)
+        print(f"M={m}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["us"].items())
+              + f" us; a step would save {row['step_saving_ms']:.3f} ms; checks {json.dumps(row['checks'])}",
+              flush=True)
+    print()
+    print(markdown(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def measure_m(m: int, h: int, inter: int, nrot: int, gen, norm, silu, sglang_quant) -> dict:
+    """One M: us a call of every form (the norm's x clone taken off), the checks, the per-step saving."""
+    import torch
+
+    from sglang_fp8rl.kernels.gemm_select import time_graph
+    from sglang_fp8rl.kernels.norm_quant import add_rmsnorm_quant, silu_mul_quant
+
+    xs = [torch.randn(m, h, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(nrot)]
+    rs = [torch.randn(m, h, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(nrot)]
+    gus = [torch.randn(m, 2 * inter, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(nrot)]
+    w = norm.weight.data
+
+    def norm_then_quant(j):
+        out, _ = norm.forward_cuda(xs[j].clone(), rs[j])  # SGLang's kernel writes x in place: a clone each call
+        return (out, *sglang_quant(out))
+
+    def silu_then_quant(j):
+        out = silu.forward_cuda(gus[j])
+        return (out, *sglang_quant(out))
+
+    forms = {
+        "norm": lambda j: norm.forward_cuda(xs[j].clone(), rs[j]),
+        "norm+quant": norm_then_quant,
+        "norm_quant fused": lambda j: add_rmsnorm_quant(xs[j], w, EPS, rs[j], scale_layout="tma"),
+        "silu": lambda j: silu.forward_cuda(gus[j]),
+        "silu+quant": silu_then_quant,
+        "silu_quant fused": lambda j: silu_mul_quant(gus[j], scale_layout="tma"),
+    }
+    r0 = rs[0].clone()
+    unfused_norm = norm_then_quant(0)
+    rs[0].copy_(r0)
+    checks = {"norm": compare(forms["norm_quant fused"](0), unfused_norm),
+              "silu": compare(forms["silu_quant fused"](0), silu_then_quant(0))}
+    clone_us = time_graph(lambda j: xs[j].clone(), nrot)
+    us = {name: time_graph(fn, nrot) for name, fn in forms.items()}
+    for name in ("norm", "norm+quant"):
+        us[name] -= clone_us
+    saved = LAYERS * (2 * (us["norm+quant"] - us["norm_quant fused"]) + (us["silu+quant"] - us["silu_quant fused"]))
+    return {"M": m, "us": us, "clone_us": clone_us, "step_saving_ms": saved / 1e3, "checks": checks}
+
+
+def markdown(results: dict) -> str:
+    """The results as a table: us a call of each form, and the estimated saving per decode step."""
+    names = list(results["rows"][0]["us"]) if results["rows"] else []
+    lines = [f"device: {results['device']}", "", "| M | " + " | ".join(names) + " | step saving (ms) |",
+             "| ---: |" + " ---: |" * (len(names) + 1)]
+    for row in results["rows"]:
+        cells = " | ".join(f"{row['us'][n]:.2f}" for n in names)
+        lines.append(f"| {row['M']} | {cells} | {row['step_saving_ms']:.3f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
