@@ -2,9 +2,11 @@
 # The other supported SGLang releases (one requirements/sglang-<version>.txt each, the primary one excepted): build
 # each pinned CPU env and run the tests that touch SGLang's internals there. The full suite runs on the primary
 # release (scripts/cpu_test.sh with no SGLANG_VERSION). Here, in tiers that keep CI inside its 45 minutes:
-# - every release: the plugin and the demo, the version adapters, malformed requests, replayed writes against the
-#   model's own loaders, the step's lifecycle, the direct DeepGEMM call, the decode-attention dispatcher, and the
-#   weight-update sessions of the releases that have them (skipped on the others) (CORE_TESTS);
+# - every release: the plugin and the demo, the version adapters, malformed requests, the step's lifecycle, the
+#   direct DeepGEMM call, the decode-attention dispatcher, and the weight-update sessions of the releases that have
+#   them (skipped on the others) (CORE_TESTS);
+# - the oldest and the newest release also replayed writes against the model's own loaders (the primary release runs
+#   them too, so the loaders of the releases between are bracketed: ENDS_TESTS);
 # - the oldest release (verl's) also the FP8 KV cache and its scales and verl's colocated release/resume cycle;
 # - the newest release the whole update path as well (pre-quantized payloads, the release and resume of GPU memory,
 #   KV faults across TP ranks: FULL_TESTS);
@@ -21,11 +23,12 @@ primary=$(sed -n 's/^SUPPORTED_SGLANG[^(]*("\([^"]*\)".*/\1/p' sglang_fp8rl/comp
 # path they share is covered here by the malformed-request suite, replayed writes, pre-quantized payloads and sessions)
 CORE_TESTS=(
   tests/test_plugin.py tests/test_version_matrix.py tests/test_demo_cpu.py tests/test_gpu_flags.py
-  tests/test_malformed_updates.py tests/test_replayed_writes.py tests/test_step_lifecycle.py
+  tests/test_malformed_updates.py tests/test_step_lifecycle.py
   tests/test_deepgemm_direct.py tests/test_decode_attention.py
   tests/test_sessions.py tests/test_session_client.py tests/test_step_truth.py
 )
-OLDEST_TESTS=(tests/test_kv_engine.py tests/test_kv_scales.py tests/test_colocated.py)
+ENDS_TESTS=(tests/test_replayed_writes.py)
+OLDEST_TESTS=("${ENDS_TESTS[@]}" tests/test_kv_engine.py tests/test_kv_scales.py tests/test_colocated.py)
 FULL_TESTS=(
   "${CORE_TESTS[@]}" "${OLDEST_TESTS[@]}" tests/test_prequantized_updates.py tests/test_kv_tp_faults.py
 )

@@ -25,6 +25,7 @@ from sglang_fp8rl.quant import SCALE_FORMATS
 ENV_VAR = "FP8RL_OPTIONS"
 KV_SCALE_OPTIONS = ("auto", "static", "calibrate")  # auto: calibrate with an FP8 E4M3 KV cache (kv_scales/)
 KV_WRITE_OPTIONS = ("sglang", "fused")  # how calibrated K/V reach the cache (hooks/kv_cache.py)
+PRODUCER_QUANT_MODES = ("off", "on")  # a linear's input quantized by the norm / SiLU that makes it (hooks/producers.py)
 QUANTIZATION_NAME = "fp8_online_blockwise"
 FP8_DECODE_GRAPH_MAX_BS = 512  # decode CUDA-graph capture with this method (hooks/server_args.py says why)
 OPTIONS_MARK = "_fp8rl_options_added"  # set on a parser and on ServerArgs once our options are added
@@ -46,6 +47,7 @@ class Fp8rlOptions:
     kv_calibration: str = ""
     kv_write: str = "fused"
     decode_attention: str = "auto"
+    producer_quant: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("bf16_first_layers", "bf16_last_layers"):
@@ -73,6 +75,9 @@ class Fp8rlOptions:
         if self.decode_attention not in DECODE_ATTENTION_MODES:
             raise ValueError(f"--fp8rl-decode-attention must be one of {DECODE_ATTENTION_MODES}, "
                              f"got {self.decode_attention!r}")
+        if self.producer_quant not in PRODUCER_QUANT_MODES:
+            raise ValueError(f"--fp8rl-producer-quant must be one of {PRODUCER_QUANT_MODES}, "
+                             f"got {self.producer_quant!r}")
         if not isinstance(self.kv_calibration, str):
             raise ValueError(f"--fp8rl-kv-calibration must be a path, got {self.kv_calibration!r}")
         object.__setattr__(self, "ignore", tuple(self.ignore))
@@ -196,6 +201,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Decode attention over an FP8 E4M3 KV cache on the FlashAttention-3 backend: auto / split_kv = this "
              "package's split-KV kernel for plain one-token decode calls (FA3 for every other call), fa3 = "
              "FlashAttention-3 for all. split_kv refuses to start where the decode backend is not FA3.",
+    )
+
+    group.add_argument(
+        _flag("producer_quant"), choices=PRODUCER_QUANT_MODES, default=d.producer_quant,
+        help="on = the RMSNorm before qkv / gate_up and the SiLU-and-multiply before down also write their output's "
+             "1x128 FP8 quantization, so those block-FP8 linears launch no quantizer of their own (not with "
+             "deterministic inference); off (default) = SGLang's norm and SiLU kernels, each linear quantizes.",
     )
 
 

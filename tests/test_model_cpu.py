@@ -32,7 +32,8 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(ckpt, tmp_path_factory):
-    """Cold loads: default, pow2 + first layer BF16, the fallback model, and the unquantized BF16 model."""
+    """Cold loads: default, pow2 + first layer BF16, the fallback model, the unquantized BF16 model, and pow2 + first
+    layer BF16 with the producers quantizing the linears' inputs."""
     tiny, _, fallback, _ = ckpt
     out = tmp_path_factory.mktemp("out")
     return {
@@ -41,6 +42,8 @@ def loaded(ckpt, tmp_path_factory):
                                  "--fp8rl-bf16-first-layers", "1"),
         "fallback": run_worker("load", fallback, str(out / "c.pt"), *QUANT),
         "bf16": run_worker("load", tiny, str(out / "d.pt")),
+        "pow2_first_producers": run_worker("load", tiny, str(out / "e.pt"), *QUANT, "--fp8rl-scale-format", "pow2",
+                                           "--fp8rl-bf16-first-layers", "1", "--fp8rl-producer-quant", "on"),
     }
 
 
@@ -87,6 +90,18 @@ def test_pow2_and_first_layer_bf16(ckpt, loaded):
     for s in scales:
         assert torch.equal(torch.exp2(torch.log2(s).round()), s)
     assert "--fp8rl-bf16-first-layers 1" in result["report"]["decisions"]["model.layers.0.mlp.down_proj"][1]
+
+
+def test_producers_hand_over_the_linears_input_codes_with_the_same_logits(loaded):
+    """--fp8rl-producer-quant on: the norms and SiLUs of the block-FP8 layers (1 and 2; layer 0 is BF16) compute
+    their output and its codes in one step, the linears take the codes: the same logits, bit for bit (on CPU both
+    are SGLang's native norm and the reference quantizer)."""
+    result, plain = loaded["pow2_first_producers"], loaded["pow2_first"]
+    assert "[fp8rl] producer quantization: 6 producers quantize their output for a block-FP8 linear; 3 left as " \
+           "they are (its linear is not block-FP8 (a BF16 layer))" in result["_log"]
+    assert len(result["logits"]) == len(plain["logits"])
+    for ours, theirs in zip(result["logits"], plain["logits"]):
+        assert torch.equal(ours, theirs)
 
 
 def test_fallback_layers_are_per_channel_and_reported(ckpt, loaded):

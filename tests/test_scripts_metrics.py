@@ -439,10 +439,11 @@ def test_suite_script_syntax():
     subprocess.run(["bash", "-n", os.path.join(SCRIPTS, "gpu", "run_gpu_suite.sh")], check=True)
 
 
-@pytest.mark.parametrize("exclude", [None, "fp8rl_n64_sk4_pdl deepgemm_sms_124"])
+@pytest.mark.parametrize("exclude", [None, "fp8rl_n64_sk4_pdl deepgemm_sms_124", "change"])
 def test_gemm_ab_stage_runs_the_roofline_twice_the_second_without_the_candidates(tmp_path, exclude):
     """run_gpu_suite.sh gemm_ab: two roofline runs whose command lines parse with decode_roofline's own parser, the
-    same cells, the second excluding (by names the server checks at start) what GEMM_AB_EXCLUDE names."""
+    same cells, the second excluding (by names the server checks at start) what GEMM_AB_EXCLUDE names, or with the
+    flags of GEMM_AB_CHANGE."""
     import shlex
 
     import decode_roofline
@@ -450,9 +451,10 @@ def test_gemm_ab_stage_runs_the_roofline_twice_the_second_without_the_candidates
 
     from sglang_fp8rl.kernels import gemm_select as gs
 
-    env = {} if exclude is None else {"GEMM_AB_EXCLUDE": exclude}
+    env = {} if exclude is None else {"GEMM_AB_CHANGE": "--fp8rl-producer-quant on"} if exclude == "change" \
+        else {"GEMM_AB_EXCLUDE": exclude}
     lines = stage_command_lines(tmp_path, "gemm_ab", "scripts/decode_roofline.py",
-                                unset=("GEMM_AB_EXCLUDE", "GEMM_AB_ARGS"), **env)
+                                unset=("GEMM_AB_EXCLUDE", "GEMM_AB_ARGS", "GEMM_AB_CHANGE"), **env)
     assert len(lines) == 2
     # the stand-in python3 records "$*": the one argument --extra-args=... comes back split at its spaces (it is last)
     runs = [decode_roofline.parse_args([*shlex.split(ln.partition(" --extra-args=")[0])[2:],
@@ -461,6 +463,12 @@ def test_gemm_ab_stage_runs_the_roofline_twice_the_second_without_the_candidates
     assert runs[0].batch_sizes == runs[1].batch_sizes == [1, 8, 32] and runs[0].contexts == [4096, 12288]
     assert runs[0].attention_backend == "triton" and runs[0].profile_cells == [] and runs[0].check_cells == []
     assert runs[0].extra_args == "" and runs[0].out != runs[1].out
+    if exclude == "change":
+        assert runs[1].extra_args == "--fp8rl-producer-quant on"
+        from sglang_fp8rl.server_args import parse_args
+
+        assert parse_args(runs[1].extra_args.split()).producer_quant == "on"
+        return
     names = (exclude or "fp8rl_n64_sk4_pdl").split()
     assert runs[1].extra_args.split() == [w for name in names for w in ("--fp8rl-gemm-exclude", name)]
     assert gs.check_excluded(names) == tuple(names)

@@ -30,7 +30,8 @@
 #             ROOFLINE_ARGS                                                              (~4-7.5 min: own call)
 #   gemm_ab   a GEMM candidate's share of the served decode step: scripts/decode_roofline.py twice, one after the
 #             other, with every server candidate and then with --fp8rl-gemm-exclude for each name in GEMM_AB_EXCLUDE
-#             (default fp8rl_n64_sk4_pdl); GEMM_AB_ARGS replaces the roofline's default here (FP8 weights, Triton
+#             (default fp8rl_n64_sk4_pdl), or with the flags GEMM_AB_CHANGE gives instead (e.g.
+#             "--fp8rl-producer-quant on"); GEMM_AB_ARGS replaces the roofline's default here (FP8 weights, Triton
 #             attention, bs 1 8 32 x 4k 12k, no profile); with TESTS="tests/gpu/test_block_gemm.py" and
 #             GEMM_ARGS="--ms 1,8,16 --prefetch --no-triton": tests gemm gemm_ab          (~7-9 min: own call)
 #   profile   scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode --batch-sizes 64 128
@@ -114,7 +115,7 @@
 # Env: OUT, WORK, DEADLINE (s from start; 570), TESTS, T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
 #      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, KV_ARGS, KV_FI_ARGS, KV_ACC_ARGS, SERVER_ARGS, UPDATE_ARGS, GEMM_ARGS,
 #      STARTUP_ARGS, DEMO_ARGS, RL_ARGS, RL_ROLLOUT_ARGS, ROOFLINE_ARGS, COLOCATED_ARGS, BROADCAST_ARGS, SERVER_STEP_ARGS,
-#      GEMM_AB_ARGS, GEMM_AB_EXCLUDE
+#      GEMM_AB_ARGS, GEMM_AB_EXCLUDE, GEMM_AB_CHANGE
 #      (extra args per script),
 #      UPDATE_SCRIPT.
 set -u
@@ -124,6 +125,7 @@ DEADLINE=${DEADLINE:-570}
 OUT=${OUT:-/tmp/fp8rl_out}
 WORK=${WORK:-/tmp/fp8rl_suite}
 GEMM_AB_EXCLUDE=${GEMM_AB_EXCLUDE:-fp8rl_n64_sk4_pdl}  # what gemm_ab's second roofline leaves out
+GEMM_AB_CHANGE=${GEMM_AB_CHANGE:-$(for name in $GEMM_AB_EXCLUDE; do printf -- "--fp8rl-gemm-exclude %s " "$name"; done)}
 MODELS=$WORK/models
 LOGS=$WORK/logs
 STAMP=$(date +%H%M%S)
@@ -235,17 +237,16 @@ for st in "$@"; do
       l=$(left); run_stage roofline 150 560 $PY scripts/decode_roofline.py --out "$WORK/roofline" \
         --model-dir "$MODELS" --deadline-s $(( l - 25 )) ${ROOFLINE_ARGS:-} ;;
     gemm_ab)  # a GEMM candidate's share of the served decode step: the roofline with every server candidate, then,
-      # one after the other on the same GPU, without the candidates named in GEMM_AB_EXCLUDE
+      # one after the other on the same GPU, with GEMM_AB_CHANGE (without the candidates named in GEMM_AB_EXCLUDE)
       ab=(--configs fp8_online_blockwise --batch-sizes 1 8 32 --contexts 4096 12288 --profile-cells --check-cells
           --attention-backend triton)
       # shellcheck disable=SC2206
       [ -n "${GEMM_AB_ARGS:-}" ] && ab=($GEMM_AB_ARGS)
-      ex=""; for name in $GEMM_AB_EXCLUDE; do ex="$ex --fp8rl-gemm-exclude $name"; done
       half=$(( ($(left) - 20) / 2 ))
       run_stage gemm_ab_all 120 "$half" $PY scripts/decode_roofline.py --out "$WORK/gemm_ab/all" \
         --model-dir "$MODELS" --deadline-s $(( half - 15 )) "${ab[@]}"
       l=$(left); run_stage gemm_ab_without 100 560 $PY scripts/decode_roofline.py --out "$WORK/gemm_ab/without" \
-        --model-dir "$MODELS" --deadline-s $(( l - 25 )) "${ab[@]}" "--extra-args=${ex# }" ;;
+        --model-dir "$MODELS" --deadline-s $(( l - 25 )) "${ab[@]}" "--extra-args=${GEMM_AB_CHANGE% }" ;;
     profile)
       l=$(left); run_stage profile 120 400 $PY scripts/bench_rollout.py --configs fp8_online_blockwise --profile-decode \
         --batch-sizes 64 128 --output-len 256 --out "$WORK/profile" --model-dir "$MODELS" --deadline-s $(( l - 25 )) \
@@ -326,7 +327,7 @@ SUM=$WORK/suite_summary_$STAMP.md
                 sed -n '/^== \(scheme summary\|server start-up\)/,$p' "$LOGS/demo.log" | cut -c1-250; } ;;
       gemm) [ -f "$LOGS/gemm.log" ] && { echo; echo "## gemm"; grep -E "^\||^copy" "$LOGS/gemm.log" | head -60; } ;;
       gemm_ab) for d in all without; do [ -f "$WORK/gemm_ab/$d/roofline.md" ] || continue
-                 echo; echo "## gemm_ab: $d (excluded: $GEMM_AB_EXCLUDE)"
+                 echo; echo "## gemm_ab: $d (the second run: $GEMM_AB_CHANGE)"
                  grep -h "gemm_select" "$WORK/gemm_ab/$d"/raw/*.log 2>/dev/null | head -5
                  sed -n '/^### /,/^Cells/p' "$WORK/gemm_ab/$d/roofline.md" | head -24; done ;;
     esac

@@ -344,3 +344,19 @@ def fa3_kernel_module(backend: Any) -> Any:
             module = sys.modules.get(cls.__module__)
             return module if module is not None and hasattr(module, FA3_DECODE_FUNCTION) else None
     return None
+
+
+def rmsnorm_blocker(norm: Any) -> str | None:
+    """Why an SGLang RMSNorm is not the plain ``x * rsqrt(mean(x^2) + eps) * weight`` (a BF16 residual added first)
+    that kernels/norm_quant computes, or None. Its options came over the releases (0.5.12's has fewer of them)."""
+    if getattr(norm, "variance_size_override", None) is not None:
+        return "its variance is taken over part of the width"
+    if getattr(norm, "cast_x_before_out_mul", False):
+        return "it rounds to BF16 before the weight multiply"
+    if getattr(norm, "fp32_residual", False):
+        return "its residual is float32"
+    if getattr(norm, "override_orig_dtype", None) is not None:
+        return "its output dtype is overridden"
+    if not getattr(norm, "has_weight", True):
+        return "it has no weight"
+    return None

@@ -7,6 +7,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from sglang_fp8rl import parallel
+from sglang_fp8rl.hooks import producers
 from sglang_fp8rl.hooks.kv_cache import set_up_kv_scales
 from sglang_fp8rl.kernels import deepgemm, gemm_select, jit_warmup
 from sglang_fp8rl.layers.linear import block_shapes
@@ -67,14 +68,26 @@ def _prepare_gemms(runner: Any, agree: gemm_select.Agree) -> None:
     )
 
 
+def wire_producers(runner: Any) -> None:
+    """``--fp8rl-producer-quant on``: the norms and SiLUs before block-FP8 linears quantize their output. An
+    optimisation: its failure leaves SGLang's own forwards in place and the server starting."""
+    if get_options().producer_quant != "on":
+        return
+    try:
+        producers.install(runner.model, getattr(runner, "server_args", None))
+    except Exception:  # noqa: BLE001 - the model is unchanged where install did not get to
+        logger.exception("[fp8rl] producer quantization could not be set up; SGLang's norm and SiLU kernels run")
+
+
 def wrap_load_model(original: Callable) -> Callable:
-    """ModelRunner.load_model, then attach our update guard and prepare the GEMMs."""
+    """ModelRunner.load_model, then attach our update guard, prepare the GEMMs and wire the producers."""
     def load_model(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         if attach(self.model):
             logger.info("[fp8rl] weight updates of this model are validated and re-quantized in place")
             set_up_kv_scales(self)
             prepare_gemms(self)
+            wire_producers(self)
         return result
 
     return load_model

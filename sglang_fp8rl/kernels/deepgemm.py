@@ -152,6 +152,31 @@ def linear_direct(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+@functools.cache
+def prequantized_default_reason() -> str | None:
+    """Why SGLang's default block linear cannot take an activation quantized beforehand here, or None: it must be
+    its DeepGEMM linear with float32 scales, made as the quantizer then ``w8a8_block_fp8_matmul_deepgemm``
+    (0.5.12-0.5.21), whose second launch then runs on the handed-over codes and multipliers (the same layout)."""
+    if not detect().default_is_fp32_deepgemm:
+        return "SGLang's block-FP8 linear is not DeepGEMM with float32 scales here"
+    if not deepgemm_linear_is_quant_then_gemm(sglang_fp8_utils().deepgemm_w8a8_block_fp8_linear_with_fallback):
+        return "this SGLang release's DeepGEMM linear is not the quantizer then one GEMM launch (0.5.12-0.5.21)"
+    return None
+
+
+def prequantized_default(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                         weight_scale_inv: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """SGLang's default block linear on an activation quantized beforehand: its own GEMM launch on (codes, scales),
+    or None where it would not run DeepGEMM (the caller quantizes ``x`` as usual)."""
+    if prequantized_default_reason() or not direct_takes(x, weight):
+        return None
+    out = sglang_fp8_utils().w8a8_block_fp8_matmul_deepgemm(codes, weight, scales, weight_scale_inv,
+                                                           list(DEFAULT_BLOCK_SIZE), output_dtype=torch.bfloat16)
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def candidate_errors() -> tuple[type[BaseException], ...]:
     """What a failing GEMM launch raises (JIT/compile failures, bad launches, shape asserts): the caller counts it as
     that launch's failure instead of stopping."""

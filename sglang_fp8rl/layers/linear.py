@@ -26,7 +26,7 @@ from sglang.srt.layers.parameter import (
 )
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 
-from sglang_fp8rl.kernels import gemm_select
+from sglang_fp8rl.kernels import gemm_select, producers
 from sglang_fp8rl.layers.fp8_storage import (
     CHECK_ATTR,
     Fp8LayerState,
@@ -42,6 +42,7 @@ from sglang_fp8rl.layers.fp8_storage import (
 from sglang_fp8rl.layers.placement import ShardId, ShardPlacement, placement_for_layer
 from sglang_fp8rl.layers.scheme import Scheme, choose_scheme
 from sglang_fp8rl.quant import (
+    DEFAULT_GROUP_SIZE,
     FP8_DTYPE,
     blockwise_scale_shape,
     dequantize_activation_groups,
@@ -145,7 +146,8 @@ def reference_linear(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[tor
     """Torch reference of the FP8 GEMM (CPU path): quantized activations x dequantized weights, fp32 accumulation."""
     state = layer._fp8rl
     group = state.block_size[1] if state.is_block else x.shape[-1]  # per-channel layers use per-token activations
-    xq, xs = quantize_activation_groups(x, group)
+    handed = producers.quantized_input(x) if group == DEFAULT_GROUP_SIZE else None
+    xq, xs = handed if handed is not None else quantize_activation_groups(x, group)
     x_deq = dequantize_activation_groups(xq, xs, group)
     if state.is_block:
         w_deq = dequantize_blockwise(layer.weight.data, layer.weight_scale_inv.data, state.block_size)

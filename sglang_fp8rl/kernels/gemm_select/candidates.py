@@ -75,6 +75,7 @@ OWN_QUANT_CONFIGS = ()
 MIN_GAIN = 0.03  # a non-default candidate must beat the default by this fraction
 
 GemmFn = Callable[[Any, Any, Any, Any], Any]
+PrequantizedFn = Callable[[Any, Any, Any, Any, Any, Any], Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,9 @@ class Candidate:
     num_sms: int | None = None
     max_m: int | None = None  # largest M it is measured / used for
     k_multiple: int | None = None  # K must be a multiple of this
+    # the same GEMM on an activation a producer quantized already (kernels/producers.py): (codes, multipliers, x,
+    # weight, weight_scale_inv, bias) -> out; None: the candidate quantizes x itself
+    prequantized: PrequantizedFn | None = None
 
     def can_implement(self, n: int, k: int, facts: DeepGemmFacts, m: int | None = None) -> str | None:
         """Why this candidate cannot run (m, n, k) as itself here, or None. DeepGEMM variants need SGLang's
@@ -158,6 +162,17 @@ def _ours_fn(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = Fal
     return fn
 
 
+def _ours_prequantized(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = False) -> PrequantizedFn:
+    def fn(codes: Any, scales: Any, x: Any, weight: Any, scale: Any, bias: Any) -> Any:
+        from sglang_fp8rl.kernels.block_gemm import block_fp8_gemm  # Triton, at the first call (as _ours_fn)
+
+        out = block_fp8_gemm(codes, scales, weight, scale, x.dtype, bias, block_n=block_n, split_k=split_k,
+                             prefetch=prefetch, pdl=pdl)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    return fn
+
+
 def ours_name(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = False, own_quant: bool = False) -> str:
     """A candidate name of block_gemm's kernel: ``fp8rl_n64_sk4``, suffixed ``_pf``, ``_pfpdl``, ``_pdl`` or, with
     our own activation quantizer, ``_q`` / ``_qpdl``."""
@@ -201,7 +216,7 @@ def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = False,
     for block_n, split_k, pf, dependent, own in forms:
         name = ours_name(block_n, split_k, pf, dependent, own)
         reg[name] = Candidate(name, _ours_fn(block_n, split_k, pf, dependent, own), max_m=OURS_MAX_M,
-                              k_multiple=BLOCK[1])
+                              k_multiple=BLOCK[1], prequantized=_ours_prequantized(block_n, split_k, pf, dependent))
     for block_n, split_k in fused:
         name = f"{FUSED_PREFIX}n{block_n}_sk{split_k}"
         reg[name] = Candidate(name, _fused_fn(block_n, split_k), max_m=OURS_MAX_M, k_multiple=BLOCK[1])

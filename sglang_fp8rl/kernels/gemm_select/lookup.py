@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from sglang_fp8rl.engine import OWNERS, declare, reset
-from sglang_fp8rl.kernels.deepgemm import direct_takes, linear_direct
+from sglang_fp8rl.kernels.deepgemm import direct_takes, linear_direct, prequantized_default
 from sglang_fp8rl.kernels.gemm_select.buckets import m_bucket, shape_key
 from sglang_fp8rl.kernels.gemm_select.candidates import BLOCK, DEFAULT, Candidate, default_linear, sglang_block_call
+from sglang_fp8rl.kernels.producers import quantized_input
 
 
 @dataclasses.dataclass
@@ -78,6 +79,11 @@ def apply_selected(x: Any, weight: Any, weight_scale_inv: Any, bias: Any, defaul
     Blocks other than 128x128 always take ``default_fn`` (the candidates and the cache assume 128x128)."""
     if tuple(block_size) != BLOCK:
         return sglang_block_call(default_fn, x, weight, weight_scale_inv, bias, block_size)
+    handed = quantized_input(x)
+    if handed is not None:
+        out = apply_prequantized(handed, x, weight, weight_scale_inv, bias)
+        if out is not None:
+            return out
     table = OWNERS.gemm_table
     if table.choices:
         k = x.shape[-1]
@@ -87,3 +93,15 @@ def apply_selected(x: Any, weight: Any, weight_scale_inv: Any, bias: Any, defaul
     if table.direct and not capturing(x) and direct_takes(x, weight):
         return linear_direct(x, weight, weight_scale_inv, bias)
     return sglang_block_call(default_fn, x, weight, weight_scale_inv, bias, block_size)
+
+
+def apply_prequantized(handed: tuple[Any, Any], x: Any, weight: Any, weight_scale_inv: Any, bias: Any) -> Any:
+    """The selected GEMM on the codes and multipliers a producer handed over with ``x``, or None where that GEMM
+    quantizes for itself (the caller then quantizes ``x`` as usual)."""
+    table = OWNERS.gemm_table
+    k = x.shape[-1]
+    name = select(x.numel() // k if x.numel() else 1, weight.shape[0], k) if table.choices else DEFAULT
+    if name == DEFAULT:
+        return prequantized_default(*handed, x, weight, weight_scale_inv, bias)
+    fn = table.candidates[name].prequantized
+    return fn(*handed, x, weight, weight_scale_inv, bias) if fn is not None else None

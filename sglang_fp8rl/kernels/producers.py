@@ -1,0 +1,57 @@
+"""A block-FP8 linear's input handed over already quantized by the kernel that made it (``--fp8rl-producer-quant``).
+
+The producer (the RMSNorm before qkv / gate_up, the SiLU-and-multiply before down) computes its BF16 output and that
+output's 1x128 FP8 codes and multipliers in one kernel (:mod:`sglang_fp8rl.kernels.norm_quant` on CUDA, a torch
+reference elsewhere) and attaches them to the output tensor (:func:`attach`); the linear's apply takes them
+(:func:`quantized_input`) instead of quantizing the BF16 input again. The attachment lives on that tensor object
+only: a view, a copy or a gathered tensor has none, and its linear quantizes as before. The codes are
+``quant.quantize_activation_groups`` of the BF16 output, the multipliers in the layout SGLang hands DeepGEMM
+(column-major, M padded to 4), which this package's GEMM reads too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_fp8rl.quant import DEFAULT_GROUP_SIZE, quantize_activation_groups
+
+ATTR = "_fp8rl_quantized"  # (codes [M, K] e4m3, multipliers [M, K/128] float32) on a producer's BF16 output
+MAX_NORM_WIDTH = 64 * DEFAULT_GROUP_SIZE  # the fused RMSNorm holds a row in one program: 8192 values at most
+
+
+def attach(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``out`` carrying its own quantization for the linear that reads it next."""
+    setattr(out, ATTR, (codes, scales))
+    return out
+
+
+def quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (codes, multipliers) a producer attached to ``x``, or None."""
+    return getattr(x, ATTR, None)
+
+
+def add_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, codes, multipliers) of RMSNorm(x [+ residual]); ``residual`` becomes ``x + residual`` in place."""
+    if x.is_cuda:
+        from sglang_fp8rl.kernels.norm_quant import add_rmsnorm_quant as kernel  # Triton, at the first call
+
+        return kernel(x, weight, eps, residual, scale_layout="tma")
+    h = x.float()
+    if residual is not None:  # SGLang's RMSNorm.forward_native, op for op
+        h = h + residual.float()
+        residual.copy_(h.to(residual.dtype))
+    h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    out = (h * weight).to(x.dtype)
+    return (out, *quantize_activation_groups(out, DEFAULT_GROUP_SIZE))
+
+
+def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, codes, multipliers) of ``silu(gate) * up`` for ``gate_up = [gate | up]``."""
+    if gate_up.is_cuda:
+        from sglang_fp8rl.kernels.norm_quant import silu_mul_quant as kernel
+
+        return kernel(gate_up, scale_layout="tma")
+    half = gate_up.shape[-1] // 2
+    out = torch.nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:]  # SiluAndMul.forward_native
+    return (out, *quantize_activation_groups(out, DEFAULT_GROUP_SIZE))
