@@ -15,8 +15,8 @@ unfused kernels' within their own float32 rounding (the reduction order of the m
 BF16 rounding step apart, checked against a float64 reference in the tests.
 
 The multipliers are written row-major ``[M, K/128]`` (this package's GEMM) or as SGLang lays them out for DeepGEMM
-(``scale_layout="tma"``: column-major, M padded to 4). Measured against the unfused pair by
-``scripts/bench_norm_quant.py``; not wired into the server.
+(``scale_layout="tma"``: column-major, M padded to 4). Served under ``--fp8rl-producer-quant on``
+(:mod:`sglang_fp8rl.hooks.producers`); measured against the unfused pair by ``scripts/bench_norm_quant.py``.
 """
 
 from __future__ import annotations

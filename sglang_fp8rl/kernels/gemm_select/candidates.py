@@ -20,7 +20,8 @@ fp32, bias | None) -> [.., N]``, what each can run (and why not), and the one ch
   activation quantizer then our kernel, both dependent launches (its codes are ``quantize_activation_groups``', so
   it is checked like the fused form).
 
-``--fp8rl-gemm-exclude`` leaves named candidates out of the server's set (:func:`server_candidates`).
+``--fp8rl-gemm-exclude`` leaves named candidates out of the server's set (:func:`server_candidates`). Our kernel's
+forms also run on codes a producer handed over (``Candidate.prequantized``, ``--fp8rl-producer-quant``).
 """
 
 from __future__ import annotations
