@@ -10,7 +10,10 @@ import re
 
 # First match wins. The quantizer and attention come before the FP8 GEMM: their template arguments name e4m3 too
 # (per_token_group_quant<..., __nv_fp8_e4m3>, FA3's FP8 kernel over an FP8 KV cache). The K/V write counts as attention.
+# The norm and SiLU that also quantize their output (--fp8rl-producer-quant) count as norms: the quantizer they replace
+# leaves the activation-quantization group.
 _KERNEL_CLASSES = [
+    ("norm/rope/act", r"rmsnorm_quant|silu_mul_quant"),
     ("act quant", r"quant"),
     ("attention", r"attn|attention|decode_kernel|_fwd_kernel|_fwd_grouped|flash::|mha|paged|store_kv|scaled_store"),
     ("norm/rope/act", r"rmsnorm|rms_norm|layernorm|norm::|qknorm|rotary|rope|silu|act_and_mul|gelu"),

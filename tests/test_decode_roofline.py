@@ -268,6 +268,8 @@ def test_kernel_groups():
     ("void flash::prepare_varlen_num_blocks_kernel<1, true>", "attention"),
     ("store_kvcache<2048l>", "attention"),
     ("fused_qknorm_warp<128l>", "norm/rope/act"),
+    ("_add_rmsnorm_quant_kernel", "norm/rope/act"),  # a norm that also quantizes its output
+    ("_silu_mul_quant_kernel", "norm/rope/act"),
     ("fused_moe_kernel", "moe gemm"),
     ("void deep_gemm::sm90_fp8_gemm_1d2d_impl<(cute::UMMA::Major)0>", "fp8 gemm"),
 ])
