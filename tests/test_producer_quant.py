@@ -28,22 +28,13 @@ from sglang_fp8rl.server_args import parse_args
 EPS = 1e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def published_server_args(tmp_path_factory):
-    """SGLang's layers read the published ServerArgs when built (SiluAndMul, where a runtime context exists): a CPU
-    server's, published as a test process's."""
-    from sglang.srt.server_args import prepare_server_args
-
-    from sglang_fp8rl import demo_common
-
-    model_dir = str(tmp_path_factory.mktemp("producers") / "model")
-    demo_common.write_config(model_dir, demo_common.DEMO_DIMS)
-    args = prepare_server_args(["--model-path", model_dir, "--device", "cpu"])
-    try:
-        from sglang.srt.runtime_context import publish
-    except ImportError:  # releases with global server args only: prepare_server_args set them
-        return
-    publish(args, role="test")
+def silu_and_mul() -> SiluAndMul:
+    """SGLang's SiluAndMul on its native forward, built without its __init__: that reads the process's published
+    server args (0.5.17+), and publishing them here would leave them to every later test of this process."""
+    silu = SiluAndMul.__new__(SiluAndMul)
+    torch.nn.Module.__init__(silu)
+    silu._forward_method = silu.forward_native
+    return silu
 
 
 def bf16(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -65,7 +56,7 @@ def test_reference_producers_are_sglangs_native_forwards_with_their_own_quantiza
     assert torch.equal(alone, norm.forward_native(x.clone()))
     gate_up = bf16(3, 512, seed=3)
     out, q, s = producers.silu_mul_quant(gate_up)
-    assert torch.equal(out, SiluAndMul().forward_native(gate_up))
+    assert torch.equal(out, silu_and_mul().forward_native(gate_up))
     assert torch.equal(q.view(torch.uint8), quantize_activation_groups(out, 128)[0].view(torch.uint8))
 
 
@@ -87,7 +78,7 @@ def decoder_layer(hidden: int, inter: int, qkv: torch.nn.Module | None = None, d
     layer.self_attn.qkv_proj = qkv if qkv is not None else linear(3 * hidden, hidden)
     layer.mlp = torch.nn.Module()
     layer.mlp.gate_up_proj = linear(2 * inter, hidden)
-    layer.mlp.act_fn = SiluAndMul()
+    layer.mlp.act_fn = silu_and_mul()
     layer.mlp.down_proj = linear(hidden, inter, block=down_block)
     return layer
 

@@ -26,13 +26,13 @@ import triton
 import triton.language as tl
 
 from sglang_fp8rl.kernels.block_gemm import ACT_QUANT_GROUPS, GROUP_K, _quantize_columns
-from sglang_fp8rl.kernels.producers import MAX_NORM_WIDTH
 from sglang_fp8rl.kernels.triton_quant import _AMAX_FLOOR_BITS
 from sglang_fp8rl.quant import FP8_MAX
 
 SCALE_LAYOUTS = ("row", "tma")
 TMA_ALIGN_M = 4  # DeepGEMM's scale rows: 16 bytes of float32 (SGLang's scale_tma_aligned)
-MAX_NORM_GROUPS = MAX_NORM_WIDTH // GROUP_K  # a row is one program's tile
+MAX_NORM_GROUPS = 64  # the fused RMSNorm holds a row in one program's tile: 64 x 128 = 8192 values at most
+MAX_NORM_WIDTH = MAX_NORM_GROUPS * GROUP_K
 
 
 @triton.jit

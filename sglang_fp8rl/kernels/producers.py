@@ -16,7 +16,6 @@ import torch
 from sglang_fp8rl.quant import DEFAULT_GROUP_SIZE, quantize_activation_groups
 
 ATTR = "_fp8rl_quantized"  # (codes [M, K] e4m3, multipliers [M, K/128] float32) on a producer's BF16 output
-MAX_NORM_WIDTH = 64 * DEFAULT_GROUP_SIZE  # the fused RMSNorm holds a row in one program: 8192 values at most
 
 
 def attach(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
