@@ -5,7 +5,7 @@ For Qwen3-8B's producers at M (running sequences) in ``--ms``, under CUDA graphs
 back-to-back calls rotating over operand sets, median of the replays):
 
 * norm: SGLang's ``RMSNorm`` (its CUDA forward, the residual added in place, as before qkv and gate_up) alone; then
-  followed by SGLang's 1x128 quantizer as its DeepGEMM linear calls it (column-major, TMA-aligned scales); then
+  followed by SGLang's 1x128 quantizer as its DeepGEMM linear calls it (``deepgemm.quantize_for_deepgemm``); then
   ``norm_quant.add_rmsnorm_quant`` (one launch, the same scale layout);
 * silu: SGLang's ``SiluAndMul`` alone, followed by the quantizer, and ``norm_quant.silu_mul_quant``.
 
@@ -54,11 +54,11 @@ def compare(fused, unfused) -> dict:
     """How the fused kernel's (out, codes, scales) relate to the unfused pair's and to its own output's quantization."""
     import torch
 
-    from sglang_fp8rl.quant import quantize_activation_groups
+    from sglang_fp8rl.quant import DEFAULT_GROUP_SIZE, quantize_activation_groups
 
     out, q, s = (t.cpu() for t in fused)  # the reference on the CPU: quant.py's stated division (tests/gpu)
     ref_out = unfused[0].cpu()
-    own_q, own_s = quantize_activation_groups(out, 128)
+    own_q, own_s = quantize_activation_groups(out, DEFAULT_GROUP_SIZE)
     return {"out_equal_share": float((out == ref_out).float().mean()), "out_max_steps": bf16_steps(out, ref_out),
             "codes_are_own_quantization": bool(torch.equal(q.view(torch.uint8), own_q.view(torch.uint8))
                                                and torch.equal(s.contiguous(), own_s))}
@@ -84,12 +84,7 @@ def main(argv=None) -> int:
     from sglang.srt.layers.activation import SiluAndMul
     from sglang.srt.layers.layernorm import RMSNorm
 
-    from sglang_fp8rl.kernels.deepgemm import sglang_fp8_kernel
-
-    quantize = sglang_fp8_kernel().sglang_per_token_group_quant_fp8
-
-    def sglang_quant(t):
-        return quantize(t, 128, column_major_scales=True, scale_tma_aligned=True, scale_ue8m0=False)
+    from sglang_fp8rl.kernels.deepgemm import quantize_for_deepgemm
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     h, inter, nrot = args.hidden, args.intermediate, args.nrot
@@ -98,7 +93,7 @@ def main(argv=None) -> int:
     silu = bare_silu_and_mul(SiluAndMul)
     results = {"args": vars(args), "device": torch.cuda.get_device_name(), "rows": []}
     for m in [int(v) for v in args.ms.split(",")]:
-        row = measure_m(m, h, inter, nrot, gen, norm, silu, sglang_quant)
+        row = measure_m(m, h, inter, nrot, gen, norm, silu, quantize_for_deepgemm)
         results["rows"].append(row)
         print(f"M={m}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["us"].items())
               + f" us; a step would save {row['step_saving_ms']:.3f} ms; checks {json.dumps(row['checks'])}",

@@ -29,10 +29,12 @@ EPS = 1e-6
 
 
 def silu_and_mul() -> SiluAndMul:
-    """SGLang's SiluAndMul on its native forward, built without its __init__: that reads the process's published
-    server args (0.5.17+), and publishing them here would leave them to every later test of this process."""
-    silu = SiluAndMul.__new__(SiluAndMul)
-    torch.nn.Module.__init__(silu)
+    """SGLang's SiluAndMul on its native forward, built without its __init__ (scripts/bench_norm_quant's helper): that
+    reads the process's published server args (0.5.17+), and publishing them here would leave them to every later
+    test of this process."""
+    from bench_norm_quant import bare_silu_and_mul
+
+    silu = bare_silu_and_mul(SiluAndMul)
     silu._forward_method = silu.forward_native
     return silu
 

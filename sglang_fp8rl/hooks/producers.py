@@ -79,8 +79,7 @@ def fused_norm(norm: Any, original: Callable, failed: list[str]) -> Callable:
         rest = [*args[2:], *(v for key, v in kwargs.items() if key not in ("x", "residual"))]
         width = norm.weight.shape[0]
         if failed or any(v is not None for v in rest) or not isinstance(x, torch.Tensor) or not takes(x, width) \
-                or (residual is not None and not (residual.shape == x.shape and residual.dtype == x.dtype
-                                                  and residual.is_contiguous())):
+                or not (residual is None or (takes(residual, width) and residual.shape == x.shape)):
             return original(*args, **kwargs)
         try:
             out, codes, scales = producers.add_rmsnorm_quant(x, norm.weight.data, norm.variance_epsilon, residual)
@@ -117,8 +116,8 @@ def fall_back(failed: list[str], error: BaseException, original: Callable, args:
     return original(*args, **kwargs)
 
 
-def plan(model: torch.nn.Module) -> tuple[list[tuple[str, Any, Any]], dict[str, str]]:
-    """(producer name, producer, consumer) to wire, and the producers left as they are with why."""
+def plan(model: torch.nn.Module) -> tuple[list[tuple[str, Any, str]], dict[str, str]]:
+    """(producer name, producer, its kind) to wire, and the producers left as they are with why."""
     modules = dict(model.named_modules())
     wire, left = [], {}
     for name, module in modules.items():
@@ -132,7 +131,7 @@ def plan(model: torch.nn.Module) -> tuple[list[tuple[str, Any, Any]], dict[str, 
             if why:
                 left[name] = why
             else:
-                wire.append((name, module, consumer))
+                wire.append((name, module, producer_kind(module)))
     return wire, left
 
 
@@ -145,10 +144,9 @@ def install(model: torch.nn.Module, server_args: Any) -> int:
         return 0
     wire, left = plan(model)
     failed: list[str] = []  # shared: a kernel that does not build here does not build for any producer
-    for _, producer, _ in wire:
+    for _, producer, kind in wire:
         original = producer.forward
-        silu = producer_kind(producer) == "silu"
-        producer.forward = fused_silu(original, failed) if silu else fused_norm(producer, original, failed)
+        producer.forward = fused_silu(original, failed) if kind == "silu" else fused_norm(producer, original, failed)
     reasons = sorted(set(left.values()))
     logger.info("[fp8rl] producer quantization: %d producers quantize their output for a block-FP8 linear; %d left "
                 "as they are%s", len(wire), len(left), f" ({'; '.join(reasons)})" if reasons else "")

@@ -137,14 +137,20 @@ def direct_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and deepgemm_takes_shape(weight.shape[0], weight.shape[1]))
 
 
+def quantize_for_deepgemm(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's 1x128 activation quantizer as its DeepGEMM linear calls it with float32 scales: (e4m3 codes,
+    multipliers column-major with M padded to 4, TMA-aligned)."""
+    return sglang_fp8_kernel().sglang_per_token_group_quant_fp8(
+        x2d, DEFAULT_BLOCK_SIZE[1], column_major_scales=True, scale_tma_aligned=True, scale_ue8m0=False)
+
+
 def linear_direct(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """SGLang's DeepGEMM block linear (0.5.12-0.5.21) as its two launches: the same activation quantizer call and
     the same ``deep_gemm.fp8_gemm_nt`` launch, so the same kernels and bits, without the Python layers between them
     (custom-op dispatch, JIT hook, checks): host time that decode without CUDA graphs pays per call (RESULTS 20)."""
     x2d = x.view(-1, x.shape[-1])
-    xq, xs = sglang_fp8_kernel().sglang_per_token_group_quant_fp8(
-        x2d, DEFAULT_BLOCK_SIZE[1], column_major_scales=True, scale_tma_aligned=True, scale_ue8m0=False)
+    xq, xs = quantize_for_deepgemm(x2d)
     out = xq.new_empty((x2d.shape[0], weight.shape[0]), dtype=torch.bfloat16)
     deep_gemm_module().fp8_gemm_nt((xq, xs), (weight, weight_scale_inv), out)
     if bias is not None:

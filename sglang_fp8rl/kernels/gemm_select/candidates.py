@@ -144,33 +144,34 @@ def _triton_fn(x: Any, weight: Any, scale: Any, bias: Any) -> Any:
     return sglang_block_call(sglang_fp8_utils().triton_w8a8_block_fp8_linear, x, weight, scale, bias)
 
 
+def _ours_prequantized(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = False) -> PrequantizedFn:
+    def fn(codes: Any, scales: Any, x: Any, weight: Any, scale: Any, bias: Any) -> Any:
+        # imported at the first call: it imports Triton, which not every platform that builds a registry has
+        from sglang_fp8rl.kernels.block_gemm import block_fp8_gemm
+
+        out = block_fp8_gemm(codes, scales, weight, scale, x.dtype, bias, block_n=block_n, split_k=split_k,
+                             prefetch=prefetch, pdl=pdl)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    return fn
+
+
 def _ours_fn(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = False,
              own_quant: bool = False) -> GemmFn:
+    gemm = _ours_prequantized(block_n, split_k, prefetch, pdl)
+
     def fn(x: Any, weight: Any, scale: Any, bias: Any) -> Any:
         # imported at the first call: it imports Triton, which not every platform that builds a registry has
-        from sglang_fp8rl.kernels.block_gemm import block_fp8_gemm, quantize_activation
+        from sglang_fp8rl.kernels.block_gemm import quantize_activation
 
         x2d = x.reshape(-1, x.shape[-1]).contiguous()
         if own_quant and x2d.dtype == torch.bfloat16:  # our quantizer reads BF16 bits
             xq, xs = quantize_activation(x2d, pdl=pdl)
         else:  # row-major [M, K/128] scales
             xq, xs = sglang_fp8_kernel().sglang_per_token_group_quant_fp8(x2d, BLOCK[1])
-        out = block_fp8_gemm(xq, xs, weight, scale, x.dtype, bias, block_n=block_n, split_k=split_k,
-                             prefetch=prefetch, pdl=pdl)
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return gemm(xq, xs, x, weight, scale, bias)
 
     fn.__name__ = ours_name(block_n, split_k, prefetch, pdl, own_quant)
-    return fn
-
-
-def _ours_prequantized(block_n: int, split_k: int, prefetch: bool = False, pdl: bool = False) -> PrequantizedFn:
-    def fn(codes: Any, scales: Any, x: Any, weight: Any, scale: Any, bias: Any) -> Any:
-        from sglang_fp8rl.kernels.block_gemm import block_fp8_gemm  # Triton, at the first call (as _ours_fn)
-
-        out = block_fp8_gemm(codes, scales, weight, scale, x.dtype, bias, block_n=block_n, split_k=split_k,
-                             prefetch=prefetch, pdl=pdl)
-        return out.view(*x.shape[:-1], weight.shape[0])
-
     return fn
 
 

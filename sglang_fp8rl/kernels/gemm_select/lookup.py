@@ -65,6 +65,14 @@ def select(m: int, n: int, k: int) -> str:
     return OWNERS.gemm_table.choices.get(shape_key(n, k, m_bucket(m)), DEFAULT)
 
 
+def selected(x: Any, weight: Any) -> str:
+    """The candidate name for a linear call on ``x`` (its rows are M) with ``weight`` [N, K]."""
+    if not OWNERS.gemm_table.choices:
+        return DEFAULT
+    k = x.shape[-1]
+    return select(x.numel() // k if x.numel() else 1, weight.shape[0], k)
+
+
 def capturing(x: Any) -> bool:
     """Whether this launch is being captured into a CUDA graph or traced by torch.compile (SGLang's piecewise prefill
     graphs trace the model with Dynamo, which can follow SGLang's custom ops but not a raw DeepGEMM call). Those stay
@@ -85,11 +93,9 @@ def apply_selected(x: Any, weight: Any, weight_scale_inv: Any, bias: Any, defaul
         if out is not None:
             return out
     table = OWNERS.gemm_table
-    if table.choices:
-        k = x.shape[-1]
-        name = select(x.numel() // k if x.numel() else 1, weight.shape[0], k)
-        if name != DEFAULT:
-            return table.candidates[name].fn(x, weight, weight_scale_inv, bias)
+    name = selected(x, weight)
+    if name != DEFAULT:
+        return table.candidates[name].fn(x, weight, weight_scale_inv, bias)
     if table.direct and not capturing(x) and direct_takes(x, weight):
         return linear_direct(x, weight, weight_scale_inv, bias)
     return sglang_block_call(default_fn, x, weight, weight_scale_inv, bias, block_size)
@@ -98,10 +104,8 @@ def apply_selected(x: Any, weight: Any, weight_scale_inv: Any, bias: Any, defaul
 def apply_prequantized(handed: tuple[Any, Any], x: Any, weight: Any, weight_scale_inv: Any, bias: Any) -> Any:
     """The selected GEMM on the codes and multipliers a producer handed over with ``x``, or None where that GEMM
     quantizes for itself (the caller then quantizes ``x`` as usual)."""
-    table = OWNERS.gemm_table
-    k = x.shape[-1]
-    name = select(x.numel() // k if x.numel() else 1, weight.shape[0], k) if table.choices else DEFAULT
+    name = selected(x, weight)
     if name == DEFAULT:
         return prequantized_default(*handed, x, weight, weight_scale_inv, bias)
-    fn = table.candidates[name].prequantized
+    fn = OWNERS.gemm_table.candidates[name].prequantized
     return fn(*handed, x, weight, weight_scale_inv, bias) if fn is not None else None
