@@ -6,12 +6,14 @@ back-to-back calls rotating over operand sets, median of the replays):
 
 * norm: SGLang's ``RMSNorm`` (its CUDA forward, the residual added in place, as before qkv and gate_up) alone; then
   followed by SGLang's 1x128 quantizer as its DeepGEMM linear calls it (``deepgemm.quantize_for_deepgemm``); then
-  ``norm_quant.add_rmsnorm_quant`` (one launch, the same scale layout);
-* silu: SGLang's ``SiluAndMul`` alone, followed by the quantizer, and ``norm_quant.silu_mul_quant``.
+  ``norm_quant.add_rmsnorm_quant`` (one launch, the same scale layout), as a plain and as a programmatic dependent
+  launch (``pdl``, as served on Hopper, where SGLang's own norm is one too);
+* silu: SGLang's ``SiluAndMul`` alone, followed by the quantizer, and ``norm_quant.silu_mul_quant`` (plain, pdl).
 
 Each fused output is checked against SGLang's unfused one: the BF16 outputs (the share of equal values, the largest
 difference in BF16 steps) and the codes (the fused kernel's are ``quant.quantize_activation_groups`` of its own BF16
-output, bit for bit). The per-step estimate: 36 layers x (2 norms + 1 SiLU) x (unfused pair - fused).
+output, bit for bit), and the dependent launch's bits are the plain launch's. The per-step estimate: 36 layers x
+(2 norms + 1 SiLU) x (unfused pair - fused pdl).
 
 Usage (GPU): python scripts/bench_norm_quant.py [--ms 1,8,32,128,384] [--hidden 4096] [--intermediate 12288]
              [--json OUT]
@@ -62,6 +64,13 @@ def compare(fused, unfused) -> dict:
     return {"out_equal_share": float((out == ref_out).float().mean()), "out_max_steps": bf16_steps(out, ref_out),
             "codes_are_own_quantization": bool(torch.equal(q.view(torch.uint8), own_q.view(torch.uint8))
                                                and torch.equal(s.contiguous(), own_s))}
+
+
+def same_bits(a, b) -> bool:
+    """Whether two (out, codes, multipliers) triples are equal bit for bit."""
+    import torch
+
+    return all(torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)) for x, y in zip(a, b))
 
 
 def bare_silu_and_mul(cls):
@@ -131,20 +140,29 @@ def measure_m(m: int, h: int, inter: int, nrot: int, gen, norm, silu, sglang_qua
         "norm": lambda j: norm.forward_cuda(xs[j % nrot].clone(), rs[j % nrot]),
         "norm+quant": norm_then_quant,
         "norm_quant fused": lambda j: add_rmsnorm_quant(xs[j % nrot], w, EPS, rs[j % nrot], scale_layout="tma"),
+        "norm_quant fused pdl": lambda j: add_rmsnorm_quant(xs[j % nrot], w, EPS, rs[j % nrot], scale_layout="tma",
+                                                             pdl=True),
         "silu": lambda j: silu.forward_cuda(gus[j % nrot]),
         "silu+quant": silu_then_quant,
         "silu_quant fused": lambda j: silu_mul_quant(gus[j % nrot], scale_layout="tma"),
+        "silu_quant fused pdl": lambda j: silu_mul_quant(gus[j % nrot], scale_layout="tma", pdl=True),
     }
     r0 = rs[0].clone()
     unfused_norm = norm_then_quant(0)
     rs[0].copy_(r0)
-    checks = {"norm": compare(forms["norm_quant fused"](0), unfused_norm),
-              "silu": compare(forms["silu_quant fused"](0), silu_then_quant(0))}
+    fused_norm = forms["norm_quant fused"](0)
+    rs[0].copy_(r0)
+    checks = {"norm": compare(fused_norm, unfused_norm), "silu": compare(forms["silu_quant fused"](0),
+                                                                         silu_then_quant(0)),
+              "pdl_bits_equal": same_bits(forms["norm_quant fused pdl"](0), fused_norm)
+              and same_bits(forms["silu_quant fused pdl"](0), forms["silu_quant fused"](0))}
+    rs[0].copy_(r0)
     clone_us = time_graph(lambda j: xs[j % nrot].clone(), nrot)
     us = {name: time_graph(fn, nrot) for name, fn in forms.items()}
     for name in ("norm", "norm+quant"):
         us[name] -= clone_us
-    saved = LAYERS * (2 * (us["norm+quant"] - us["norm_quant fused"]) + (us["silu+quant"] - us["silu_quant fused"]))
+    saved = LAYERS * (2 * (us["norm+quant"] - us["norm_quant fused pdl"])
+                      + (us["silu+quant"] - us["silu_quant fused pdl"]))
     return {"M": m, "us": us, "clone_us": clone_us, "step_saving_ms": saved / 1e3, "checks": checks}
 
 

@@ -100,15 +100,14 @@ def test_bad_operands_are_refused_naming_the_operand(call, message) -> None:
         call(nq)
 
 
-@pytest.mark.parametrize("kernel", ["_add_rmsnorm_quant_kernel", "_silu_mul_quant_kernel"])
-def test_producer_kernels_compile_for_sm90_with_rne_codes_and_correct_divisions(kernel) -> None:
+def _compile_for_sm90(kernel: str, pdl: bool) -> str:
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from sglang_fp8rl.kernels import norm_quant as nq
 
-    common = {"GROUP": 128, "FP8_MAX": FP8_MAX, "AMAX_FLOOR_BITS": nq._AMAX_FLOOR_BITS}
+    common = {"GROUP": 128, "FP8_MAX": FP8_MAX, "AMAX_FLOOR_BITS": nq._AMAX_FLOOR_BITS, "PDL": pdl}
     if kernel == "_add_rmsnorm_quant_kernel":
         constexprs = {**common, "GROUPS_P2": 32, "HAS_RESIDUAL": True}
         pointers = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv",
@@ -123,9 +122,28 @@ def test_producer_kernels_compile_for_sm90_with_rne_codes_and_correct_divisions(
     signature = {**pointers, **scalars, **dict.fromkeys(constexprs, "constexpr")}
     compiled = triton.compile(ASTSource(fn=getattr(nq, kernel), signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = compiled.asm["ptx"]
+    return compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize("kernel", ["_add_rmsnorm_quant_kernel", "_silu_mul_quant_kernel"])
+def test_producer_kernels_compile_for_sm90_with_rne_codes_and_correct_divisions(kernel) -> None:
+    ptx = _compile_for_sm90(kernel, pdl=False)
     assert "cvt.rn.satfinite.e4m3x2" in ptx and "div.rn.f32" in ptx
     assert "cvt.rn.bf16" in ptx  # the BF16 output rounds to nearest even, as torch and SGLang's kernels do
+    assert "griddepcontrol" not in ptx
+
+
+@pytest.mark.parametrize("kernel,share_read_before_wait", [("_add_rmsnorm_quant_kernel", 1 / 3),
+                                                            ("_silu_mul_quant_kernel", 0)])
+def test_dependent_launch_forms_wait_before_reading_the_kernel_befores_output(kernel, share_read_before_wait) -> None:
+    """PDL: griddepcontrol.wait, then launch_dependents, before any load but the norm's weight vector (a parameter
+    no kernel of the step writes: one of its three row-shaped operands, w / x / residual), and before every store."""
+    ptx = _compile_for_sm90(kernel, pdl=True)
+    wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    assert wait < trigger
+    before, total = ptx[:wait].count("ld.global"), ptx.count("ld.global")
+    assert total > 0 and before == share_read_before_wait * total
+    assert "st.global" not in ptx[:wait]
 
 
 def test_the_benchmarks_cpu_parts_measure_steps_and_codes() -> None:

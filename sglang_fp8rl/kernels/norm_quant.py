@@ -15,7 +15,11 @@ unfused kernels' within their own float32 rounding (the reduction order of the m
 BF16 rounding step apart, checked against a float64 reference in the tests.
 
 The multipliers are written row-major ``[M, K/128]`` (this package's GEMM) or as SGLang lays them out for DeepGEMM
-(``scale_layout="tma"``: column-major, M padded to 4). Served under ``--fp8rl-producer-quant on``
+(``scale_layout="tma"``: column-major, M padded to 4). ``pdl=True`` launches either as a programmatic dependent
+launch, as SGLang's own RMSNorm and SiLU kernels are launched on Hopper: its programs start while the kernel before
+drains (the norm's weight vector is read then) and wait (``griddepcontrol.wait``) before reading what that kernel
+wrote; they let the next kernel start at once, which waits for this grid before it reads the output. Served under
+``--fp8rl-producer-quant on``
 (:mod:`sglang_fp8rl.hooks.producers`); measured against the unfused pair by ``scripts/bench_norm_quant.py``.
 """
 
@@ -24,8 +28,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from sglang_fp8rl.kernels.block_gemm import ACT_QUANT_GROUPS, GROUP_K, _quantize_columns
+from sglang_fp8rl.kernels.block_gemm import _INTERPRETED, ACT_QUANT_GROUPS, GROUP_K, _quantize_columns
 from sglang_fp8rl.kernels.triton_quant import _AMAX_FLOOR_BITS
 from sglang_fp8rl.quant import FP8_MAX
 
@@ -39,19 +44,22 @@ MAX_NORM_WIDTH = MAX_NORM_GROUPS * GROUP_K
 def _add_rmsnorm_quant_kernel(x_ptr, r_ptr, w_ptr, out_ptr, q_ptr, s_ptr, k_groups, eps,
                               stride_xm, stride_rm, stride_om, stride_qm, stride_sm, stride_sg,
                               GROUP: tl.constexpr, GROUPS_P2: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                              FP8_MAX: tl.constexpr, AMAX_FLOOR_BITS: tl.constexpr):
+                              FP8_MAX: tl.constexpr, AMAX_FLOOR_BITS: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     offs_g = tl.arange(0, GROUPS_P2)
     g_ok = offs_g < k_groups
     cols = tl.arange(0, GROUP)[:, None] + offs_g[None, :] * GROUP  # [GROUP, GROUPS_P2]: a group per column
     mask = g_ok[None, :]
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a parameter: no kernel before writes it
+    if PDL:
+        gdc_wait()  # x and the residual are the output of the kernel before this one
+        gdc_launch_dependents()  # the linear's programs may start; they wait for this grid before reading out / q / s
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(r_ptr + row * stride_rm + cols, x.to(r_ptr.dtype.element_ty), mask=mask)
     mean_sq = tl.sum(tl.sum(x * x, 1), 0) / (k_groups * GROUP)
     rstd = 1.0 / tl.sqrt(mean_sq + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (x * rstd * w).to(tl.bfloat16)
     tl.store(out_ptr + row * stride_om + cols, y, mask=mask)
     q, scale = _quantize_columns(y, FP8_MAX, AMAX_FLOOR_BITS)
@@ -63,12 +71,15 @@ def _add_rmsnorm_quant_kernel(x_ptr, r_ptr, w_ptr, out_ptr, q_ptr, s_ptr, k_grou
 def _silu_mul_quant_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, k_groups, half,
                            stride_gm, stride_om, stride_qm, stride_sm, stride_sg,
                            GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr,
-                           AMAX_FLOOR_BITS: tl.constexpr):
+                           AMAX_FLOOR_BITS: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     g_ok = offs_g < k_groups
     cols = tl.arange(0, GROUP)[:, None] + offs_g[None, :] * GROUP
     mask = g_ok[None, :]
+    if PDL:
+        gdc_wait()  # gate_up is the output of the GEMM before this one
+        gdc_launch_dependents()
     gate = tl.load(gu_ptr + row * stride_gm + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + row * stride_gm + half + cols, mask=mask, other=0.0).to(tl.float32)
     y = (gate / (1.0 + tl.exp(-gate)) * up).to(tl.bfloat16)
@@ -96,9 +107,9 @@ def _check_rows(name: str, t: torch.Tensor, k: int) -> None:
 
 
 def add_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                      scale_layout: str = "row") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      scale_layout: str = "row", pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out BF16, e4m3 codes, float32 multipliers) of RMSNorm(x [+ residual]) [M, K]; ``residual`` becomes
-    ``x + residual`` in place, as SGLang's fused add-RMSNorm leaves it."""
+    ``x + residual`` in place, as SGLang's fused add-RMSNorm leaves it; ``pdl``: a programmatic dependent launch."""
     m, k = x.shape if x.dim() == 2 else (0, -1)
     _check_rows("x", x, k)
     if residual is not None:
@@ -116,19 +127,20 @@ def add_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residua
         return out, q, s
     r = residual if residual is not None else x  # not read without HAS_RESIDUAL
     groups = k // GROUP_K
+    pdl = pdl and not _INTERPRETED
     _add_rmsnorm_quant_kernel[(m,)](
         x, r, weight, out, q, s, groups, float(eps), x.stride(0), r.stride(0), out.stride(0), q.stride(0),
         s.stride(0), s.stride(1), GROUP=GROUP_K, GROUPS_P2=triton.next_power_of_2(groups),
-        HAS_RESIDUAL=residual is not None, FP8_MAX=FP8_MAX, AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS,
-        num_warps=8 if groups > 32 else 4,
+        HAS_RESIDUAL=residual is not None, FP8_MAX=FP8_MAX, AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, PDL=pdl,
+        num_warps=8 if groups > 32 else 4, launch_pdl=pdl,
     )
     return out, q, s
 
 
-def silu_mul_quant(gate_up: torch.Tensor, scale_layout: str = "row"
+def silu_mul_quant(gate_up: torch.Tensor, scale_layout: str = "row", pdl: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out BF16 [M, K], e4m3 codes, float32 multipliers) of ``silu(gate) * up`` for ``gate_up = [gate | up]``
-    [M, 2K]."""
+    [M, 2K]; ``pdl``: a programmatic dependent launch."""
     m, k2 = gate_up.shape if gate_up.dim() == 2 else (0, -1)
     _check_rows("gate_up", gate_up, k2)
     k = k2 // 2
@@ -140,8 +152,10 @@ def silu_mul_quant(gate_up: torch.Tensor, scale_layout: str = "row"
     if m == 0:
         return out, q, s
     groups = k // GROUP_K
+    pdl = pdl and not _INTERPRETED
     _silu_mul_quant_kernel[(m, triton.cdiv(groups, ACT_QUANT_GROUPS))](
         gate_up, out, q, s, groups, k, gate_up.stride(0), out.stride(0), q.stride(0), s.stride(0), s.stride(1),
-        GROUP=GROUP_K, GROUPS=ACT_QUANT_GROUPS, FP8_MAX=FP8_MAX, AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, num_warps=4,
+        GROUP=GROUP_K, GROUPS=ACT_QUANT_GROUPS, FP8_MAX=FP8_MAX, AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
     )
     return out, q, s

@@ -6,10 +6,14 @@ reference elsewhere) and attaches them to the output tensor (:func:`attach`); th
 (:func:`quantized_input`) instead of quantizing the BF16 input again. The attachment lives on that tensor object
 only: a view, a copy or a gathered tensor has none, and its linear quantizes as before. The codes are
 ``quant.quantize_activation_groups`` of the BF16 output, the multipliers in the layout SGLang hands DeepGEMM
-(column-major, M padded to 4), which this package's GEMM reads too.
+(column-major, M padded to 4), which this package's GEMM reads too. On Hopper and later the kernels are programmatic
+dependent launches, as SGLang launches its own RMSNorm and SiLU kernels there (sgl-kernel's ``enable_pdl`` default):
+a plain launch between two dependent ones would wait for the whole kernel before it, launch latency included.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -29,13 +33,21 @@ def quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     return getattr(x, ATTR, None)
 
 
+PDL_MIN_MAJOR = 9  # programmatic dependent launch: compute capability 9.0 (Hopper) and later
+
+
+@functools.cache
+def _pdl_on(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= PDL_MIN_MAJOR
+
+
 def add_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, codes, multipliers) of RMSNorm(x [+ residual]); ``residual`` becomes ``x + residual`` in place."""
     if x.is_cuda:
         from sglang_fp8rl.kernels.norm_quant import add_rmsnorm_quant as kernel  # Triton, at the first call
 
-        return kernel(x, weight, eps, residual, scale_layout="tma")
+        return kernel(x, weight, eps, residual, scale_layout="tma", pdl=_pdl_on(x.device))
     h = x.float()
     if residual is not None:  # SGLang's RMSNorm.forward_native, op for op
         h = h + residual.float()
@@ -50,7 +62,7 @@ def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     if gate_up.is_cuda:
         from sglang_fp8rl.kernels.norm_quant import silu_mul_quant as kernel
 
-        return kernel(gate_up, scale_layout="tma")
+        return kernel(gate_up, scale_layout="tma", pdl=_pdl_on(gate_up.device))
     half = gate_up.shape[-1] // 2
     out = torch.nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:]  # SiluAndMul.forward_native
     return (out, *quantize_activation_groups(out, DEFAULT_GROUP_SIZE))
