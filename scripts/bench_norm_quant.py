@@ -70,7 +70,8 @@ def same_bits(a, b) -> bool:
     """Whether two (out, codes, multipliers) triples are equal bit for bit."""
     import torch
 
-    return all(torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)) for x, y in zip(a, b))
+    return all(torch.equal(x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8))
+               for x, y in zip(a, b))
 
 
 def bare_silu_and_mul(cls):

@@ -129,9 +129,12 @@ def test_a_wired_norm_hands_over_its_codes_and_falls_back_for_every_call_it_does
     codes, scales = producers.quantized_input(out)
     assert torch.equal(scales, quantize_activation_groups(out, 128)[1])
     assert producers.quantized_input(silu(bf16(4, 768, seed=6))) is not None
+    assert producers.quantized_input(silu(bf16(producers.FUSED_NORM_MAX_ROWS + 1, 768, seed=6))) is not None
+    assert producers.quantized_input(norm(bf16(producers.FUSED_NORM_MAX_ROWS, 256, seed=8))) is not None
     # calls the fused kernel does not take: SGLang's own forward, nothing handed over
+    many = producers.FUSED_NORM_MAX_ROWS + 1  # a batch above the fused norm's measured range
     taken_by_sglang = [norm(x.float()), norm(x, r.clone(), r.clone())[0], norm(x.t().contiguous().t()),
-                       silu(bf16(4, 640, seed=7))]
+                       silu(bf16(4, 640, seed=7)), norm(bf16(many, 256, seed=8))]
     assert all(producers.quantized_input(t) is None for t in taken_by_sglang)
     # the kernel fails once: logged once, SGLang's forward for this call and every later one, of every producer
     def broken(*args, **kwargs):
@@ -184,6 +187,29 @@ def test_the_selected_gemm_takes_the_handed_codes_where_it_can(monkeypatch):
     finally:
         lookup.reset_state()
         deepgemm.prequantized_default_reason.cache_clear()
+
+
+def test_the_num_sms_variants_run_sglangs_gemm_launch_on_the_codes_under_their_sm_count(monkeypatch):
+    """A num_sms DeepGEMM candidate (chosen at larger M) takes handed codes: SGLang's GEMM launch on them while the SM
+    count is its own, restored after (SGLang's own ``configure_deep_gemm_num_sms``, with DeepGEMM faked on)."""
+    from sglang.srt.layers import deep_gemm_wrapper
+    from sglang.srt.layers.deep_gemm_wrapper import entrypoint
+
+    from sglang_fp8rl.kernels.gemm_select import candidates
+
+    sms = [100]
+    monkeypatch.setattr(entrypoint, "ENABLE_JIT_DEEPGEMM", True)
+    monkeypatch.setattr(entrypoint, "deep_gemm", types.SimpleNamespace(get_num_sms=lambda: sms[-1],
+                                                                       set_num_sms=sms.append), raising=False)
+    assert deep_gemm_wrapper.configure_deep_gemm_num_sms is entrypoint.configure_deep_gemm_num_sms
+    seen = []
+    monkeypatch.setattr(candidates, "prequantized_default", lambda *a: seen.append((a[:2], sms[-1])) or "deepgemm-out")
+    reg = candidates.make_candidates()
+    variants = [c for c in reg.values() if c.num_sms is not None]
+    assert variants and all(c.prequantized is not None for c in variants)
+    for c in variants:
+        assert c.prequantized("codes", "scales", None, None, None, None) == "deepgemm-out"
+        assert seen[-1] == (("codes", "scales"), c.num_sms) and sms[-1] == 100
 
 
 def test_the_option_is_off_by_default_and_checked():

@@ -4,7 +4,8 @@ output's 1x128 FP8 quantization, so those block-FP8 linears launch no quantizer 
 After load (``hooks/model_runner``), each decoder layer's producer whose consumer is a block-FP8 linear of ours gets
 an instance ``forward`` that computes its output with :mod:`sglang_fp8rl.kernels.producers` and attaches the codes;
 the consumer's apply takes them (``gemm_select.lookup.apply_selected``, ``layers/linear.reference_linear``). A call
-the fused kernel does not take (another signature, dtype or layout, a Dynamo trace) runs SGLang's own forward, as
+the fused kernel does not take (another signature, dtype or layout, a Dynamo trace, a norm over more than
+``kernels.producers.FUSED_NORM_MAX_ROWS`` rows, where it was measured slower) runs SGLang's own forward, as
 does every call once the kernel failed to build; a tensor without codes is quantized by its linear as before. Not
 installed under deterministic inference, whose kernels are SGLang's batch-invariant ones.
 """
@@ -79,6 +80,7 @@ def fused_norm(norm: Any, original: Callable, failed: list[str]) -> Callable:
         rest = [*args[2:], *(v for key, v in kwargs.items() if key not in ("x", "residual"))]
         width = norm.weight.shape[0]
         if failed or any(v is not None for v in rest) or not isinstance(x, torch.Tensor) or not takes(x, width) \
+                or x.shape[0] > producers.FUSED_NORM_MAX_ROWS \
                 or not (residual is None or (takes(residual, width) and residual.shape == x.shape)):
             return original(*args, **kwargs)
         try:

@@ -33,6 +33,10 @@ def quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     return getattr(x, ATTR, None)
 
 
+# The fused norm is taken for batches of at most this many rows. On an H100 it beat SGLang's norm + quantizer by
+# 1.1-1.3 us at 1-64 rows and lost 0.9 us at 384 (docs/RESULTS.md sec. 35a), and the served step with it was 0.3-0.8 %
+# slower at 128-384 running (35c); larger batches run SGLang's norm and their linears quantize as before.
+FUSED_NORM_MAX_ROWS = 64
 PDL_MIN_MAJOR = 9  # programmatic dependent launch: compute capability 9.0 (Hopper) and later
 
 

@@ -37,6 +37,7 @@ import torch
 from sglang_fp8rl.kernels.deepgemm import (
     DeepGemmFacts,
     deepgemm_takes_shape,
+    prequantized_default,
     sglang_deep_gemm_wrapper,
     sglang_fp8_kernel,
     sglang_fp8_utils,
@@ -140,6 +141,14 @@ def _sms_fn(num_sms: int) -> GemmFn:
     return fn
 
 
+def _sms_prequantized(num_sms: int) -> PrequantizedFn:
+    def fn(codes: Any, scales: Any, x: Any, weight: Any, scale: Any, bias: Any) -> Any:
+        with sglang_deep_gemm_wrapper().configure_deep_gemm_num_sms(num_sms):  # the GEMM launch of _sms_fn's linear
+            return prequantized_default(codes, scales, x, weight, scale, bias)
+
+    return fn
+
+
 def _triton_fn(x: Any, weight: Any, scale: Any, bias: Any) -> Any:
     return sglang_block_call(sglang_fp8_utils().triton_w8a8_block_fp8_linear, x, weight, scale, bias)
 
@@ -210,7 +219,8 @@ def make_candidates(sms: Sequence[int] = DEFAULT_SMS, triton: bool = False,
     the kernel."""
     reg = {DEFAULT: Candidate(DEFAULT, _default_fn)}
     for n in sms:
-        reg[f"{SMS_PREFIX}{n}"] = Candidate(f"{SMS_PREFIX}{n}", _sms_fn(int(n)), needs_deepgemm=True, num_sms=int(n))
+        reg[f"{SMS_PREFIX}{n}"] = Candidate(f"{SMS_PREFIX}{n}", _sms_fn(int(n)), needs_deepgemm=True, num_sms=int(n),
+                                            prequantized=_sms_prequantized(int(n)))
     if triton:
         reg[TRITON] = Candidate(TRITON, _triton_fn)
     forms = ([(*c, False, False, False) for c in ours] + [(*c, False, True, False) for c in pdl]
