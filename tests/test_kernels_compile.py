@@ -118,6 +118,19 @@ def test_split_kv_attention_reads_its_cache_pipelined_and_vectorized_for_sm90():
     assert "HMMA.16816.F32" in ops  # FP16 MMAs (mma.sync) on K and V widened in registers
 
 
+def test_split_kv_attention_as_a_dependent_launch_waits_first_and_lets_the_merge_launch_after_its_stores():
+    """fp8_decode_attention's PDL form: griddepcontrol.wait before any read of the plan, the query or the cache, and
+    launch_dependents only after the partial results are stored (the merge must not take this grid's SM slots)."""
+    import kernel_asm
+
+    plain = kernel_asm.compile_split_kernel()["ptx"]
+    ptx = kernel_asm.compile_split_kernel(pdl=True)["ptx"]
+    assert "griddepcontrol" not in plain
+    wait, trigger = ptx.index("griddepcontrol.wait"), ptx.rindex("griddepcontrol.launch_dependents")
+    assert "ld.global" not in ptx[:wait] and "cp.async" not in ptx[:wait]
+    assert ptx.rindex("st.global") < trigger
+
+
 def test_v_widened_on_its_tile_takes_no_byte_loads_and_fewer_instructions():
     """fp8_decode_attention's V_WIDEN_TILE form: V widened on its loaded tile (an opaque cvt.rn.f16x2.e4m3x2), so the
     MMA reads FP16 from shared memory and the loop has no LDS.U8 and about a third fewer instructions than the default

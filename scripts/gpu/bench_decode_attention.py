@@ -13,6 +13,8 @@ to FA3 (a [1] tensor expanded to [batch, kv_heads]). Per cell (running batch x c
               its first use JIT-compiles the module (the seconds it took are recorded)
   split_kv_vtile  with --v-widen-tile: the split-KV kernel's default with V widened on its tile (V_WIDEN_TILE),
               and whether its output has the default's bits
+  split_kv_pdl  with --pdl: the default's three launches as programmatic dependent launches (fp8_decode_attention.PDL;
+              the graph's copies run back to back, so each call's launch overlaps the one before), and its bits
 
 A cell's contexts are all equal, or ragged ("r" cells): lognormal (sigma 1, as an RL batch's contexts spread) with
 the cell's context as their mean, each between 64 tokens and 8x the mean, the same draw for every kernel.
@@ -24,7 +26,7 @@ run as the roofline measures it (scripts/decode_roofline.py: 1 GiB, read + write
 Accuracy: each kernel's output against a float64 reference computed from the same E4M3 query and cache.
 
   python scripts/gpu/bench_decode_attention.py --out /tmp/attn [--quick] [--deadline-s 400] [--flashinfer]
-      [--v-widen-tile]
+      [--v-widen-tile] [--pdl]
 """
 from __future__ import annotations
 
@@ -151,7 +153,10 @@ def fa3_calls(cell: Cell, fp8: bool):
 
 
 # optional kernels of a row (options --flashinfer, --v-widen-tile) and their column names
-OPTIONAL_KERNELS = {"fi_fp8": "FlashInfer FP8", "split_kv_vtile": "split-KV, V widened on its tile"}
+OPTIONAL_KERNELS = {"fi_fp8": "FlashInfer FP8", "split_kv_vtile": "split-KV, V widened on its tile",
+                    "split_kv_pdl": "split-KV, dependent launches"}
+# the split-KV kernel's optional forms: (column, the keyword that makes it)
+SPLIT_KV_FORMS = (("split_kv_vtile", "v_widen_tile"), ("split_kv_pdl", "pdl"))
 FI_WORKSPACE_BYTES = 256 << 20  # SGLang's flashinfer backend allocates this much float workspace (its default)
 
 
@@ -183,7 +188,8 @@ def fi_calls(cell: Cell):
 def split_kv_call(cell: Cell, cfg: dict, sms: int):
     """The kernel's call on a cell with ``cfg``'s variant, its work budget and its plan's largest split count."""
     budget = FDA.work_budget(KV_HEADS, sms, cfg.get("per_sm", FDA.RESIDENT_PER_SM))
-    kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "fine", "preplan", "v_widen_tile") if k in cfg}
+    kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "fine", "preplan", "v_widen_tile", "pdl")
+          if k in cfg}
     splits = max(FDA.plan_splits(cell.lengths, budget, kw.get("block_n", FDA.DEFAULT_BLOCK_N),
                                  kw.get("fine", FDA.FINE)))
 
@@ -214,7 +220,7 @@ def variants(sweep: dict) -> list[dict]:
 
 
 def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float, flashinfer: bool = False,
-             v_widen_tile: bool = False) -> dict:
+             v_widen_tile: bool = False, pdl: bool = False) -> dict:
     ref = cell.reference()
     row = {"batch": cell.batch, "context": cell.context, "ragged": cell.ragged, "max_context": max(cell.lengths),
            "copies": cell.copies, "kernels": {}, "sweep": []}
@@ -242,13 +248,16 @@ def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float, flas
     default_out = default_call(0)
     row["kernels"]["split_kv"] = {"us": us, **plan, "gbps": nbytes / us / 1e3,
                                   "of_copy_bw": nbytes / us / 1e3 / bw, "error": error_vs(ref, default_out)}
-    if v_widen_tile:  # the same configuration with V widened on its tile; whether its bits are the default's
-        tile_call, _ = split_kv_call(cell, {"v_widen_tile": True}, sms)
-        us = time_graph(tile_call, cell.copies)
-        tile_out = tile_call(0)
-        row["kernels"]["split_kv_vtile"] = {"us": us, "gbps": nbytes / us / 1e3, "of_copy_bw": nbytes / us / 1e3 / bw,
-                                            "error": error_vs(ref, tile_out),
-                                            "same_bits": bool(torch.equal(tile_out, default_out))}
+    wanted = {"v_widen_tile": v_widen_tile, "pdl": pdl}
+    for column, keyword in SPLIT_KV_FORMS:  # the default with one option on; whether its bits are the default's
+        if not wanted[keyword]:
+            continue
+        form_call, _ = split_kv_call(cell, {keyword: True}, sms)
+        us = time_graph(form_call, cell.copies)
+        form_out = form_call(0)
+        row["kernels"][column] = {"us": us, "gbps": nbytes / us / 1e3, "of_copy_bw": nbytes / us / 1e3 / bw,
+                                  "error": error_vs(ref, form_out),
+                                  "same_bits": bool(torch.equal(form_out, default_out))}
     for cfg in variants(sweep):
         if time.time() > deadline:
             row["sweep_cut"] = True
@@ -327,6 +336,9 @@ def main() -> int:
                    help="also FlashInfer's FP8-KV decode as SGLang's flashinfer backend calls it (JIT on first use)")
     p.add_argument("--v-widen-tile", action="store_true",
                    help="also the split-KV kernel with V widened on its tile (fp8_decode_attention.V_WIDEN_TILE)")
+    p.add_argument("--pdl", action="store_true",
+                   help="also the split-KV kernel's launches as programmatic dependent launches "
+                   "(fp8_decode_attention.PDL)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -351,7 +363,7 @@ def main() -> int:
         cell_deadline = t0 + args.deadline_s * (i + 1) / len(cells)
         cell = Cell(batch, context, dev, bf16=True, ragged=ragged)
         result["cells"].append(run_cell(cell, sweep, props.multi_processor_count, bw, cell_deadline,
-                                        flashinfer=args.flashinfer, v_widen_tile=args.v_widen_tile))
+                                        flashinfer=args.flashinfer, v_widen_tile=args.v_widen_tile, pdl=args.pdl))
         del cell
         torch.cuda.empty_cache()
         print(report(result).splitlines()[-1], flush=True)

@@ -30,7 +30,10 @@ compiled loop (docs/RESULTS.md sec. 28f); a form with the tokens on the MMA's M 
 not faster on an H100 (sec. 29a) and was removed. ``v_widen_tile`` (``V_WIDEN_TILE``, off) widens V on its tile as
 loaded and hands the FP16 tile to the MMA through shared memory: no byte loads, a third fewer instructions (sec. 30f),
 the same error against a float64 reference but not the same bits (its FP32 adds run in another order), and 1-11 %
-slower than the default at 1-32 sequences on an H100, 4-11 % faster at 128-384 (sec. 31b).
+slower than the default at 1-32 sequences on an H100, 4-11 % faster at 128-384 (sec. 31b). ``pdl`` (``PDL``, off)
+launches the three kernels as programmatic dependent launches: each waits (``griddepcontrol.wait``) before reading
+what the kernel before it wrote, the plan and the merge let the next kernel launch at once, the split kernel only after
+its stores (an early successor would take SM slots from its later waves); the same bits.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.compiler.errors import CompilationError
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
 MIN_BLOCK_H = 16  # the smallest MMA M: a GQA group of 4 query heads is padded to it
@@ -75,6 +79,10 @@ PREPLAN = True
 # the 1-8 sequences `auto` gives this kernel (docs/RESULTS.md sec. 31b); the H200 is not measured
 # (scripts/gpu/bench_decode_attention.py --v-widen-tile compares the two forms)
 V_WIDEN_TILE = False
+# programmatic dependent launches of the plan, split and merge kernels (compute capability 9.0 and later): off until
+# measured in the served step (scripts/gpu/bench_decode_attention.py --pdl compares the two forms)
+PDL = False
+PDL_MIN_MAJOR = 9
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no inline PTX: the plain widening
 # what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
 # caller may run another kernel instead; a kernel that compiled never raises these
@@ -107,10 +115,13 @@ def _plan(seqlens_ptr, batch, budget, BLOCK_B: tl.constexpr, BLOCK_N: tl.constex
 @triton.jit
 def _decode_attn_plan_kernel(seqlens_ptr, plan_ptr, batch, budget, programs, BLOCK_B: tl.constexpr,
                              BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
-                             BLOCK_P: tl.constexpr):
+                             BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
     """The step's plan written once (``preplan``), for BLOCK_P programs per program of this launch: per program of
     the split launch its sequence (``batch``: no work), split and tiles per split, at plan_ptr[0:3 * programs]; per
     sequence its first program and its splits after them."""
+    if PDL:
+        gdc_wait()  # the lengths were written by the step's preparation, before the kernel before this one
+        gdc_launch_dependents()  # the split kernel waits for this grid before it reads the plan
     offs_b, tiles, splits, ends = _plan(seqlens_ptr, batch, budget, BLOCK_B, BLOCK_N, MAX_SPLITS, FINE)
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     seq = tl.sum((ends[None, :] <= offs_p[:, None]).to(tl.int32), 1)
@@ -156,10 +167,12 @@ def _decode_attn_split_kernel(
     scale_log2, num_heads, batch, budget, plan_ptr, programs,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
-    PREPLAN: tl.constexpr, V_WIDEN_TILE: tl.constexpr = False,
+    PREPLAN: tl.constexpr, V_WIDEN_TILE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
+    if PDL:
+        gdc_wait()  # the plan, the query and the cache are written by the kernels before this one
     if PREPLAN:  # the plan kernel's descriptors: three loads instead of the plan
         seq = tl.load(plan_ptr + program)
         if seq >= batch:
@@ -217,15 +230,21 @@ def _decode_attn_split_kernel(
     row = program.to(tl.int64) * num_heads + heads  # partial results indexed by program: one plan, no collisions
     tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=head_ok[:, None])
     tl.store(part_lse_ptr + row, lse, mask=head_ok)
+    if PDL:
+        gdc_launch_dependents()  # after the work: the merge's programs would take slots from this grid's later waves
 
 
 @triton.jit
 def _decode_attn_merge_kernel(seqlens_ptr, part_o_ptr, part_lse_ptr, out_ptr, stride_o_tok, stride_o_head,
                               num_heads, batch, budget, plan_ptr, programs, BLOCK_B: tl.constexpr,
                               BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
-                              SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, PREPLAN: tl.constexpr):
+                              SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, PREPLAN: tl.constexpr,
+                              PDL: tl.constexpr = False):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    if PDL:
+        gdc_wait()  # the split kernel's partial results
+        gdc_launch_dependents()
     if PREPLAN:
         first = tl.load(plan_ptr + 3 * programs + seq)
         my_splits = tl.load(plan_ptr + 3 * programs + batch + seq)
@@ -318,6 +337,7 @@ def fp8_decode_attention(
     fine: int = FINE,
     preplan: bool = PREPLAN,
     v_widen_tile: bool = V_WIDEN_TILE,
+    pdl: bool = PDL,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V per sequence and query head, K/V read from the FP8 cache: see the module docstring.
 
@@ -327,14 +347,15 @@ def fp8_decode_attention(
     (default ``work_budget``); ``fine``: how many times smaller than the even share the programs of a plan that does
     not fit one wave are (the grid holds ``grid_programs`` of them); ``preplan``: one small launch writes the plan
     first and the two kernels read their part of it, instead of every program computing it; ``v_widen_tile``: V
-    widened on its tile (``V_WIDEN_TILE``; the same values reach the MMA, added in another order). Returns ``out``
-    (or a new tensor) [B, H, D] in BF16."""
+    widened on its tile (``V_WIDEN_TILE``; the same values reach the MMA, added in another order); ``pdl``: the three
+    launches as programmatic dependent launches where the GPU has them (``PDL``; the same bits). Returns ``out`` (or
+    a new tensor) [B, H, D] in BF16."""
     reason = cannot_run(q, k_cache, v_cache, page_table, cache_seqlens)
     if reason:
         raise ValueError(f"fp8_decode_attention: {reason}")
     if not isinstance(fine, int) or fine < 1:
         raise ValueError(f"fp8_decode_attention: fine must be an int >= 1, got {fine!r}")
-    for name, flag in (("preplan", preplan), ("v_widen_tile", v_widen_tile)):
+    for name, flag in (("preplan", preplan), ("v_widen_tile", v_widen_tile), ("pdl", pdl)):
         if not isinstance(flag, bool):
             raise ValueError(f"fp8_decode_attention: {name} must be a bool, got {flag!r}")
     batch, heads, dim = q.shape
@@ -352,11 +373,12 @@ def fp8_decode_attention(
     part_o = torch.empty(programs * heads, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(programs * heads, dtype=torch.float32, device=q.device)
     plan = dict(BLOCK_B=triton.next_power_of_2(batch), BLOCK_N=block_n, MAX_SPLITS=MAX_SPLITS, FINE=fine)
+    pdl = pdl and _pdl_capable(q.device)
     # without preplan the kernels never read plan_ptr: any int32 tensor will do, nothing is allocated
     plan_buf = torch.empty(3 * programs + 2 * batch, dtype=torch.int32, device=q.device) if preplan else cache_seqlens
     if preplan:
-        _decode_attn_plan_kernel[(triton.cdiv(programs, PLAN_BLOCK_P),)](cache_seqlens, plan_buf, batch, budget,
-                                                                         programs, BLOCK_P=PLAN_BLOCK_P, **plan)
+        _decode_attn_plan_kernel[(triton.cdiv(programs, PLAN_BLOCK_P),)](
+            cache_seqlens, plan_buf, batch, budget, programs, BLOCK_P=PLAN_BLOCK_P, PDL=pdl, launch_pdl=pdl, **plan)
     _decode_attn_split_kernel[(programs, kv_heads)](
         q, k_cache, v_cache, page_table, cache_seqlens, k_descale, v_descale, part_o, part_lse,
         q.stride(0), q.stride(1),
@@ -366,18 +388,23 @@ def fp8_decode_attention(
         float(softmax_scale) * LOG2E, heads, batch, budget, plan_buf, programs,
         PAGE_SIZE=page_size, GROUP=group, BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), HEAD_DIM=dim,
         num_warps=num_warps, num_stages=num_stages, PREPLAN=preplan, V_WIDEN_TILE=v_widen_tile and not _INTERPRETED,
-        **plan,
+        PDL=pdl, launch_pdl=pdl, **plan,
     )
     out3 = out.view(batch, heads, dim)
     _decode_attn_merge_kernel[(batch, heads)](
         cache_seqlens, part_o, part_lse, out3, out3.stride(0), out3.stride(1), heads, batch, budget, plan_buf, programs,
         SPLITS_P2=triton.next_power_of_2(min(MAX_SPLITS, fine * budget)), HEAD_DIM=dim, num_warps=4, PREPLAN=preplan,
-        **plan,
+        PDL=pdl, launch_pdl=pdl, **plan,
     )
     return out
 
 
 _SMS: dict[int, int] = {}
+
+
+def _pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch: a CUDA GPU of compute capability 9.0 or later, not the interpreter."""
+    return device.type == "cuda" and not _INTERPRETED and torch.cuda.get_device_capability(device)[0] >= PDL_MIN_MAJOR
 
 
 def _sm_count(device: torch.device) -> int:

@@ -107,3 +107,32 @@ def test_a_graph_captured_at_one_length_replays_at_others(preplan):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, run(case)), new
+
+
+def test_dependent_launches_replay_the_plain_launchs_bits_in_a_chain_of_layers():
+    """pdl=True: plan, split and merge as programmatic dependent launches, three layers back to back in one graph,
+    each layer's query the previous layer's output (a wait placed after a read would show as a differing bit),
+    replayed at other lengths: the plain launches' bits."""
+    case = on_cuda(paged_case(5, 8, 8, 4, 128, 1, [4096] * 8))
+    lens = case["cache_seqlens"]
+
+    def layers(pdl: bool) -> list[torch.Tensor]:
+        q, outs = case["q"], []
+        for _ in range(3):
+            out = fp8_decode_attention(q, case["k_cache"], case["v_cache"], case["page_table"], lens,
+                                       case["softmax_scale"], case["k_descale"], case["v_descale"], pdl=pdl)
+            outs.append(out)
+            q = out.to(case["q"].dtype)
+        return outs
+
+    layers(True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = layers(True)
+    for new in ([4096] * 8, [1, 17, 128, 129, 1000, 2048, 3000, 4096], [0, 4096, 0, 7, 1, 1, 2, 3]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        plain = layers(False)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(replayed, plain)), new
