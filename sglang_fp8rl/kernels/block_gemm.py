@@ -38,13 +38,12 @@ Whether it is used for a shape is decided by measurement only (:mod:`sglang_fp8r
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from sglang_fp8rl.kernels.pdl import INTERPRETED  # the interpreter runs no inline PTX: no prefetch, no PDL
 from sglang_fp8rl.kernels.triton_quant import (
     _AMAX_FLOOR_BITS,
     _abs_bits,
@@ -61,7 +60,6 @@ SPLIT_K_CHOICES = (1, 2, 4)
 MAX_BLOCK_M = 128
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}  # per (device, stream): int32 per-tile counters
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no inline PTX: no prefetch, no PDL
 PREFETCH_ALIGN = 16  # cp.async.bulk.prefetch takes 16-byte aligned addresses and sizes
 # groups a program of quantize_activation takes: a 4096-wide row in 4 programs, 12288 in 12 (decode rows are few, so
 # programs along K keep the launch short)
@@ -184,7 +182,7 @@ def quantize_activation(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tenso
     if m == 0:
         return q, s
     groups = ACT_QUANT_GROUPS
-    pdl = pdl and not _INTERPRETED
+    pdl = pdl and not INTERPRETED
     _quantize_activation_kernel[(m, triton.cdiv(k // GROUP_K, groups))](
         x, q, s, k // GROUP_K, x.stride(0), q.stride(0), s.stride(0), GROUP=GROUP_K, GROUPS=groups,
         FP8_MAX=FP8_MAX, AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, PDL=pdl, num_warps=4, launch_pdl=pdl,
@@ -289,9 +287,9 @@ def _launch(x: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     else:
         part = counts = out  # unused
     # a weight that is not 16-byte aligned (a view at an odd offset) is read without the prefetch
-    prefetch = (prefetch and not _INTERPRETED and wq.data_ptr() % PREFETCH_ALIGN == 0
+    prefetch = (prefetch and not INTERPRETED and wq.data_ptr() % PREFETCH_ALIGN == 0
                 and wq.stride(0) % PREFETCH_ALIGN == 0)
-    pdl = pdl and not _INTERPRETED
+    pdl = pdl and not INTERPRETED
     _block_fp8_gemm_kernel[grid](
         x, xs, wq, ws, out, bias if bias is not None else out, part, counts,
         m, n, k_groups, triton.cdiv(k_groups, split_k),

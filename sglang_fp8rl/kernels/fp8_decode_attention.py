@@ -38,14 +38,15 @@ its stores (an early successor would take SM slots from its later waves); the sa
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
+
+from sglang_fp8rl.kernels.pdl import INTERPRETED  # the interpreter widens V the plain way
+from sglang_fp8rl.kernels.pdl import capable as pdl_capable
 
 MIN_BLOCK_H = 16  # the smallest MMA M: a GQA group of 4 query heads is padded to it
 # head dims it takes: 128 measured on H100 / H200, 64 on CPU only; 256 would double the K/V tiles in shared memory
@@ -82,8 +83,6 @@ V_WIDEN_TILE = False
 # programmatic dependent launches of the plan, split and merge kernels (compute capability 9.0 and later): off until
 # measured in the served step (scripts/gpu/bench_decode_attention.py --pdl compares the two forms)
 PDL = False
-PDL_MIN_MAJOR = 9
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no inline PTX: the plain widening
 # what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
 # caller may run another kernel instead; a kernel that compiled never raises these
 BUILD_ERRORS = (CompilationError, OutOfResources)
@@ -373,7 +372,7 @@ def fp8_decode_attention(
     part_o = torch.empty(programs * heads, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(programs * heads, dtype=torch.float32, device=q.device)
     plan = dict(BLOCK_B=triton.next_power_of_2(batch), BLOCK_N=block_n, MAX_SPLITS=MAX_SPLITS, FINE=fine)
-    pdl = pdl and _pdl_capable(q.device)
+    pdl = pdl and pdl_capable(q.device)
     # without preplan the kernels never read plan_ptr: any int32 tensor will do, nothing is allocated
     plan_buf = torch.empty(3 * programs + 2 * batch, dtype=torch.int32, device=q.device) if preplan else cache_seqlens
     if preplan:
@@ -387,7 +386,7 @@ def fp8_decode_attention(
         page_table.stride(0), k_descale.stride(0), k_descale.stride(1), v_descale.stride(0), v_descale.stride(1),
         float(softmax_scale) * LOG2E, heads, batch, budget, plan_buf, programs,
         PAGE_SIZE=page_size, GROUP=group, BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), HEAD_DIM=dim,
-        num_warps=num_warps, num_stages=num_stages, PREPLAN=preplan, V_WIDEN_TILE=v_widen_tile and not _INTERPRETED,
+        num_warps=num_warps, num_stages=num_stages, PREPLAN=preplan, V_WIDEN_TILE=v_widen_tile and not INTERPRETED,
         PDL=pdl, launch_pdl=pdl, **plan,
     )
     out3 = out.view(batch, heads, dim)
@@ -400,11 +399,6 @@ def fp8_decode_attention(
 
 
 _SMS: dict[int, int] = {}
-
-
-def _pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch: a CUDA GPU of compute capability 9.0 or later, not the interpreter."""
-    return device.type == "cuda" and not _INTERPRETED and torch.cuda.get_device_capability(device)[0] >= PDL_MIN_MAJOR
 
 
 def _sm_count(device: torch.device) -> int:

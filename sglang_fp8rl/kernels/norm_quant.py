@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from sglang_fp8rl.kernels.block_gemm import _INTERPRETED, ACT_QUANT_GROUPS, GROUP_K, _quantize_columns
+from sglang_fp8rl.kernels.block_gemm import ACT_QUANT_GROUPS, GROUP_K, _quantize_columns
+from sglang_fp8rl.kernels.pdl import INTERPRETED
 from sglang_fp8rl.kernels.triton_quant import _AMAX_FLOOR_BITS
 from sglang_fp8rl.quant import FP8_MAX
 
@@ -127,7 +128,7 @@ def add_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residua
         return out, q, s
     r = residual if residual is not None else x  # not read without HAS_RESIDUAL
     groups = k // GROUP_K
-    pdl = pdl and not _INTERPRETED
+    pdl = pdl and not INTERPRETED
     _add_rmsnorm_quant_kernel[(m,)](
         x, r, weight, out, q, s, groups, float(eps), x.stride(0), r.stride(0), out.stride(0), q.stride(0),
         s.stride(0), s.stride(1), GROUP=GROUP_K, GROUPS_P2=triton.next_power_of_2(groups),
@@ -152,7 +153,7 @@ def silu_mul_quant(gate_up: torch.Tensor, scale_layout: str = "row", pdl: bool =
     if m == 0:
         return out, q, s
     groups = k // GROUP_K
-    pdl = pdl and not _INTERPRETED
+    pdl = pdl and not INTERPRETED
     _silu_mul_quant_kernel[(m, triton.cdiv(groups, ACT_QUANT_GROUPS))](
         gate_up, out, q, s, groups, k, gate_up.stride(0), out.stride(0), q.stride(0), s.stride(0), s.stride(1),
         GROUP=GROUP_K, GROUPS=ACT_QUANT_GROUPS, FP8_MAX=FP8_MAX, AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, PDL=pdl,

@@ -13,10 +13,9 @@ a plain launch between two dependent ones would wait for the whole kernel before
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from sglang_fp8rl.kernels import pdl
 from sglang_fp8rl.quant import DEFAULT_GROUP_SIZE, quantize_activation_groups
 
 ATTR = "_fp8rl_quantized"  # (codes [M, K] e4m3, multipliers [M, K/128] float32) on a producer's BF16 output
@@ -37,12 +36,6 @@ def quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
 # 1.1-1.3 us at 1-64 rows and lost 0.9 us at 384 (docs/RESULTS.md sec. 35a), and the served step with it was 0.3-0.8 %
 # slower at 128-384 running (35c); larger batches run SGLang's norm and their linears quantize as before.
 FUSED_NORM_MAX_ROWS = 64
-PDL_MIN_MAJOR = 9  # programmatic dependent launch: compute capability 9.0 (Hopper) and later
-
-
-@functools.cache
-def _pdl_on(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= PDL_MIN_MAJOR
 
 
 def add_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -51,7 +44,7 @@ def add_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residua
     if x.is_cuda:
         from sglang_fp8rl.kernels.norm_quant import add_rmsnorm_quant as kernel  # Triton, at the first call
 
-        return kernel(x, weight, eps, residual, scale_layout="tma", pdl=_pdl_on(x.device))
+        return kernel(x, weight, eps, residual, scale_layout="tma", pdl=pdl.capable(x.device))
     h = x.float()
     if residual is not None:  # SGLang's RMSNorm.forward_native, op for op
         h = h + residual.float()
@@ -66,7 +59,7 @@ def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     if gate_up.is_cuda:
         from sglang_fp8rl.kernels.norm_quant import silu_mul_quant as kernel
 
-        return kernel(gate_up, scale_layout="tma", pdl=_pdl_on(gate_up.device))
+        return kernel(gate_up, scale_layout="tma", pdl=pdl.capable(gate_up.device))
     half = gate_up.shape[-1] // 2
     out = torch.nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:]  # SiluAndMul.forward_native
     return (out, *quantize_activation_groups(out, DEFAULT_GROUP_SIZE))
