@@ -99,6 +99,8 @@ def test_producers_hand_over_the_linears_input_codes_with_the_same_logits(loaded
     result, plain = loaded["pow2_first_producers"], loaded["pow2_first"]
     assert "[fp8rl] producer quantization: 6 producers quantize their output for a block-FP8 linear; 3 left as " \
            "they are (its linear is not block-FP8 (a BF16 layer))" in result["_log"]
+    assert result["_log"].count("a block-FP8 linear took its input's codes from the kernel that made the input") == 1
+    assert "took its input's codes" not in plain["_log"]
     assert len(result["logits"]) == len(plain["logits"])
     for ours, theirs in zip(result["logits"], plain["logits"]):
         assert torch.equal(ours, theirs)

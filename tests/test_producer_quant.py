@@ -150,6 +150,17 @@ def test_a_wired_norm_hands_over_its_codes_and_falls_back_for_every_call_it_does
     assert caplog.text.count("the fused kernel failed (RuntimeError: no kernel here)") == 1
 
 
+def test_codes_are_not_handed_over_after_the_output_was_written_in_place_or_through_a_view():
+    out = producers.attach(bf16(2, 256, seed=12), "codes", "scales")
+    assert producers.quantized_input(out) == ("codes", "scales")
+    assert producers.quantized_input(out.view(2, 256)) is None  # another tensor object: the linear quantizes
+    out[0, 0] = 1.0  # e.g. a fused residual add writing the norm's output after it was quantized
+    assert producers.quantized_input(out) is None
+    again = producers.attach(bf16(2, 256, seed=13), "codes", "scales")
+    again.view(-1).mul_(2)  # a write through a view moves the shared version counter too
+    assert producers.quantized_input(again) is None
+
+
 def test_the_reference_linear_computes_with_the_handed_codes():
     layer = linear(128, 256)
     wq, ws = quantize_blockwise(bf16(128, 256, seed=8))

@@ -4,7 +4,8 @@ The producer (the RMSNorm before qkv / gate_up, the SiLU-and-multiply before dow
 output's 1x128 FP8 codes and multipliers in one kernel (:mod:`sglang_fp8rl.kernels.norm_quant` on CUDA, a torch
 reference elsewhere) and attaches them to the output tensor (:func:`attach`); the linear's apply takes them
 (:func:`quantized_input`) instead of quantizing the BF16 input again. The attachment lives on that tensor object
-only: a view, a copy or a gathered tensor has none, and its linear quantizes as before. The codes are
+only: a view, a copy or a gathered tensor has none, and its linear quantizes as before; so does a tensor written in
+place after the producer (its version counter moved). The codes are
 ``quant.quantize_activation_groups`` of the BF16 output, the multipliers in the layout SGLang hands DeepGEMM
 (column-major, M padded to 4), which this package's GEMM reads too. On Hopper and later the kernels are programmatic
 dependent launches, as SGLang launches its own RMSNorm and SiLU kernels there (sgl-kernel's ``enable_pdl`` default):
@@ -13,24 +14,42 @@ a plain launch between two dependent ones would wait for the whole kernel before
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from sglang_fp8rl.kernels import pdl
 from sglang_fp8rl.quant import DEFAULT_GROUP_SIZE, quantize_activation_groups
 
-ATTR = "_fp8rl_quantized"  # (codes [M, K] e4m3, multipliers [M, K/128] float32) on a producer's BF16 output
+# (codes [M, K] e4m3, multipliers [M, K/128] float32, the output's version counter then) on a producer's BF16 output
+ATTR = "_fp8rl_quantized"
+logger = logging.getLogger(__name__)
 
 
 def attach(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``out`` carrying its own quantization for the linear that reads it next."""
-    setattr(out, ATTR, (codes, scales))
+    setattr(out, ATTR, (codes, scales, out._version))
     return out
 
 
 def quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The (codes, multipliers) a producer attached to ``x``, or None."""
-    return getattr(x, ATTR, None)
+    """The (codes, multipliers) a producer attached to ``x``, or None; None too where ``x`` was written in place
+    since (its version counter moved), so that stale codes are never used."""
+    handed = getattr(x, ATTR, None)
+    if handed is None or handed[2] != x._version:
+        return None
+    return handed[0], handed[1]
 
+
+def note_taken() -> None:
+    """A linear computed with handed-over codes: logged once a process (the option works end to end)."""
+    if not _TAKEN:
+        _TAKEN.append(True)
+        logger.info("[fp8rl] producer quantization: a block-FP8 linear took its input's codes from the kernel that "
+                    "made the input (logged once)")
+
+
+_TAKEN: list[bool] = []
 
 # The fused norm is taken for batches of at most this many rows. On an H100 it beat SGLang's norm + quantizer by
 # 1.1-1.3 us at 1-64 rows and lost 0.9 us at 384 (docs/RESULTS.md sec. 35a), and the served step with it was 0.3-0.8 %

@@ -147,6 +147,8 @@ def reference_linear(layer: torch.nn.Module, x: torch.Tensor, bias: Optional[tor
     state = layer._fp8rl
     group = state.block_size[1] if state.is_block else x.shape[-1]  # per-channel layers use per-token activations
     handed = producers.quantized_input(x) if group == DEFAULT_GROUP_SIZE else None
+    if handed is not None:
+        producers.note_taken()
     xq, xs = handed if handed is not None else quantize_activation_groups(x, group)
     x_deq = dequantize_activation_groups(xq, xs, group)
     if state.is_block:

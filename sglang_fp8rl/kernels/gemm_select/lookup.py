@@ -19,7 +19,7 @@ from sglang_fp8rl.engine import OWNERS, declare, reset
 from sglang_fp8rl.kernels.deepgemm import direct_takes, linear_direct, prequantized_default
 from sglang_fp8rl.kernels.gemm_select.buckets import m_bucket, shape_key
 from sglang_fp8rl.kernels.gemm_select.candidates import BLOCK, DEFAULT, Candidate, default_linear, sglang_block_call
-from sglang_fp8rl.kernels.producers import quantized_input
+from sglang_fp8rl.kernels.producers import note_taken, quantized_input
 
 
 @dataclasses.dataclass
@@ -91,6 +91,7 @@ def apply_selected(x: Any, weight: Any, weight_scale_inv: Any, bias: Any, defaul
     if handed is not None:
         out = apply_prequantized(handed, x, weight, weight_scale_inv, bias)
         if out is not None:
+            note_taken()
             return out
     table = OWNERS.gemm_table
     name = selected(x, weight)
