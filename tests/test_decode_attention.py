@@ -21,7 +21,7 @@ import types
 import pytest
 import torch
 from decode_attention_case import DROP, fa3_decode_kwargs, paged_case
-from triton_interpreter import run_under_interpreter
+from triton_interpreter import BF16_RNE_PREAMBLE, E4M3_RNE_PREAMBLE, QUANTIZER_PREAMBLE, run_under_interpreter
 
 from sglang_fp8rl.hooks.attention import install_decode_attention
 from sglang_fp8rl.kernels import attention_select as sel
@@ -127,7 +127,7 @@ def test_a_kernel_that_does_not_build_sends_this_call_and_every_later_one_to_fa3
 
     tried = []
 
-    def unbuildable(kwargs):
+    def unbuildable(kwargs, hand_over=False):
         tried.append(kwargs)
         raise OutOfResources(232448, 101376, "shared memory")
 
@@ -188,6 +188,45 @@ KERNEL_THROUGH_DISPATCHER = textwrap.dedent(
     print("dispatcher kernel ok")
     """
 )
+
+
+# --fp8rl-producer-quant on: the kernel's own output carries its 1x128 codes to o_proj, through the view o_proj reads
+HANDOVER_THROUGH_DISPATCHER = QUANTIZER_PREAMBLE + E4M3_RNE_PREAMBLE + BF16_RNE_PREAMBLE + textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "tests")
+    from decode_attention_case import fa3_decode_kwargs, paged_case
+    from sglang_fp8rl.kernels import producers
+    from sglang_fp8rl.kernels.attention_select import dispatching
+
+    def fa3(*args, **kwargs):
+        raise AssertionError("a plain FP8 decode call reached FA3")
+
+    case = paged_case(6, 3, 2, 4, 128, 1, [70, 1, 300], scalar_descale=True)
+    handing = dispatching(fa3, "auto", hand_over=True)
+    out = handing(**fa3_decode_kwargs(case))
+    assert torch.equal(out, dispatching(fa3, "auto")(**fa3_decode_kwargs(case)))  # the same output
+    o_proj_input = out.view(-1, 8 * 128)  # as SGLang's FA3 backend returns it
+    codes, scales = producers.quantized_input(o_proj_input)
+    ref_q, ref_s = quant.quantize_activation_groups(o_proj_input, 128)
+    assert torch.equal(codes.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scales.contiguous(), ref_s)
+    assert scales.stride() == (1, 4)  # the layout SGLang hands DeepGEMM: column-major, rows padded to 4
+    # an output buffer the caller passes (it may be written by another kernel next), or a head dim that is not one
+    # group: no codes, o_proj quantizes as before
+    given = torch.empty(case["q"].shape, dtype=torch.bfloat16)
+    assert handing(**fa3_decode_kwargs(case, out=given)) is given
+    assert producers.quantized_input(given.view(-1, 8 * 128)) is None
+    small = paged_case(7, 2, 2, 4, 64, 1, [5, 3], scalar_descale=True)
+    assert producers.quantized_input(handing(**fa3_decode_kwargs(small)).view(2, -1)) is None
+    print("dispatcher hand-over ok")
+    """
+)
+
+
+def test_the_kernels_own_output_carries_its_codes_to_o_proj():
+    result = run_under_interpreter(HANDOVER_THROUGH_DISPATCHER)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "dispatcher hand-over ok" in result.stdout
 
 
 def test_a_plain_fp8_decode_call_runs_the_kernel_not_fa3():
@@ -267,6 +306,18 @@ def test_install_leaves_other_servers_untouched(fa3_module, mode, args):
     original = fa3_module.flash_attn_with_kvcache
     assert install_decode_attention(runner(fa3_module.FlashAttentionBackend(), **args)) == "untouched"
     assert fa3_module.flash_attn_with_kvcache is original
+
+
+@pytest.mark.parametrize("producer_quant, deterministic, hands_over", [("on", False, True), ("off", False, False),
+                                                                      ("on", True, False)])
+def test_install_hands_the_output_codes_over_with_the_producers(fa3_module, caplog, producer_quant, deterministic,
+                                                                 hands_over):
+    set_options(decode_attention="auto", producer_quant=producer_quant)
+    server = runner(fa3_module.FlashAttentionBackend())
+    server.server_args.enable_deterministic_inference = deterministic
+    with caplog.at_level(logging.INFO, logger="sglang_fp8rl.hooks.attention"):
+        assert install_decode_attention(server) == "installed"
+    assert ("its output's 1x128 codes go to o_proj" in caplog.text) == hands_over
 
 
 def test_install_on_another_backend(fa3_module):

@@ -21,7 +21,7 @@ import torch
 from decode_attention_case import paged_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from triton_interpreter import run_under_interpreter
+from triton_interpreter import BF16_RNE_PREAMBLE, E4M3_RNE_PREAMBLE, QUANTIZER_PREAMBLE, run_under_interpreter
 
 from sglang_fp8rl.kernels import fp8_decode_attention as fda  # imports Triton; no kernel is launched in this process
 
@@ -155,9 +155,51 @@ DETERMINISM_CHECK = PREAMBLE + textwrap.dedent(
 )
 
 
+# out_codes: the merge writes the BF16 output's 1x128 quantization too (one head a group), in both scale layouts; the
+# output itself is the plain call's; a head dim of 64 or wrong buffers are refused by name
+OUT_CODES_CHECK = QUANTIZER_PREAMBLE + E4M3_RNE_PREAMBLE + BF16_RNE_PREAMBLE + PREAMBLE + textwrap.dedent(
+    """
+    from sglang_fp8rl.kernels.norm_quant import empty_scales
+
+    for seed, (batch, kv_heads, group, lens) in enumerate([(2, 2, 4, [300, 3]), (3, 1, 8, [1, 250, 64]),
+                                                          (1, 4, 2, [97])]):
+        case = paged_case(seed, batch, kv_heads, group, 128, 1, lens, amp=16.0 if seed == 1 else 2.0)
+        heads = kv_heads * group
+        plain = run(case)
+        for layout in ("row", "tma"):
+            codes = torch.full((batch, heads * 128), float("nan")).to(torch.float8_e4m3fn)
+            scales = empty_scales(batch, heads * 128, torch.device("cpu"), layout).fill_(float("nan"))
+            out = run(case, out_codes=(codes, scales))
+            assert torch.equal(out, plain), (seed, layout)
+            ref_q, ref_s = quant.quantize_activation_groups(out.reshape(batch, heads * 128), 128)
+            assert torch.equal(scales.contiguous(), ref_s), (seed, layout)
+            assert torch.equal(codes.view(torch.uint8), ref_q.view(torch.uint8)), (seed, layout)
+    small = paged_case(0, 2, 2, 4, 64, 1, [5, 3])
+    for bad, name in [((torch.empty(2, 512, dtype=torch.float8_e4m3fn), torch.empty(2, 8)), "head dim of 128")]:
+        try:
+            run(small, out_codes=bad)
+        except ValueError as e:
+            assert name in str(e), e
+        else:
+            raise AssertionError("a head dim of 64 accepted")
+    case = paged_case(0, 2, 2, 4, 128, 1, [5, 3])
+    for bad, name in [((torch.empty(2, 1024, dtype=torch.bfloat16), torch.empty(2, 8)), "out_codes[0]"),
+                      ((torch.empty(2, 1024, dtype=torch.float8_e4m3fn), torch.empty(2, 4)), "out_codes[1]")]:
+        try:
+            run(case, out_codes=bad)
+        except ValueError as e:
+            assert name in str(e), e
+        else:
+            raise AssertionError(f"{name} accepted")
+    print("decode out codes ok")
+    """
+)
+
+
 @pytest.mark.parametrize("check, marker", [(PROPERTY_CHECK, "decode property ok"), (BF16_CHECK, "decode bf16 ok"),
-                                           (DETERMINISM_CHECK, "decode determinism ok")],
-                         ids=["float32-vs-float64-property", "bf16-output", "determinism"])
+                                           (DETERMINISM_CHECK, "decode determinism ok"),
+                                           (OUT_CODES_CHECK, "decode out codes ok")],
+                         ids=["float32-vs-float64-property", "bf16-output", "determinism", "out-codes"])
 def test_under_the_triton_interpreter(check, marker) -> None:
     result = run_under_interpreter(check)
     assert result.returncode == 0, result.stdout + result.stderr

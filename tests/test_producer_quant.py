@@ -150,13 +150,17 @@ def test_a_wired_norm_hands_over_its_codes_and_falls_back_for_every_call_it_does
     assert caplog.text.count("the fused kernel failed (RuntimeError: no kernel here)") == 1
 
 
-def test_codes_are_not_handed_over_after_the_output_was_written_in_place_or_through_a_view():
-    out = producers.attach(bf16(2, 256, seed=12), "codes", "scales")
-    assert producers.quantized_input(out) == ("codes", "scales")
-    assert producers.quantized_input(out.view(2, 256)) is None  # another tensor object: the linear quantizes
+def test_codes_are_handed_over_through_a_reshape_and_never_after_an_in_place_write():
+    codes = torch.empty(2, 256)
+    out = producers.attach(bf16(2, 256, seed=12), codes, "scales")
+    assert producers.quantized_input(out) == (codes, "scales")
+    # a reshape of the same rows (as the attention output reaches o_proj) carries them; a slice or a copy does not
+    assert producers.quantized_input(out.view(2, 2, 128).view(2, 256)) == (codes, "scales")
+    assert producers.quantized_input(out[1:]) is None and producers.quantized_input(out.clone()) is None
+    assert producers.quantized_input(out.view(512)) is None  # not rows of the codes' width
     out[0, 0] = 1.0  # e.g. a fused residual add writing the norm's output after it was quantized
     assert producers.quantized_input(out) is None
-    again = producers.attach(bf16(2, 256, seed=13), "codes", "scales")
+    again = producers.attach(bf16(2, 256, seed=13), codes, "scales")
     again.view(-1).mul_(2)  # a write through a view moves the shared version counter too
     assert producers.quantized_input(again) is None
 
@@ -175,7 +179,8 @@ def test_the_reference_linear_computes_with_the_handed_codes():
 
 
 def test_the_selected_gemm_takes_the_handed_codes_where_it_can(monkeypatch):
-    x = producers.attach(bf16(2, 256, seed=11), "codes", "scales")
+    codes = torch.empty(2, 256)
+    x = producers.attach(bf16(2, 256, seed=11), codes, "scales")
     weight, scale = torch.empty(128, 256), torch.empty(1, 2)
     calls = []
 
@@ -187,7 +192,7 @@ def test_the_selected_gemm_takes_the_handed_codes_where_it_can(monkeypatch):
                    {DEFAULT: Candidate(DEFAULT, None), "fp8rl_stub": Candidate("fp8rl_stub", None, prequantized=ours)})
     try:
         assert lookup.apply_prequantized(producers.quantized_input(x), x, weight, scale, None) == "ours-out"
-        assert calls == [("ours", ("codes", "scales"))]
+        assert len(calls) == 1 and calls[0][1][0] is codes and calls[0][1][1] == "scales"
         lookup.install({}, {})
         # the default: SGLang's DeepGEMM GEMM launch where it runs DeepGEMM, else None (the linear quantizes x)
         deepgemm.prequantized_default_reason.cache_clear()

@@ -13,6 +13,7 @@ import logging
 from typing import Any, Optional
 
 from sglang_fp8rl.compat.runtime import FA3_DECODE_FUNCTION, fa3_kernel_module
+from sglang_fp8rl.hooks import producers
 from sglang_fp8rl.kernels.attention_select import FA3, SPLIT_KV, dispatching
 from sglang_fp8rl.kv_scales.decode_fold import decode_backend
 from sglang_fp8rl.server_args import QUANTIZATION_NAME, get_options
@@ -51,8 +52,11 @@ def install_decode_attention(runner: Any) -> str:
                              "FlashAttention-3 (--attention-backend fa3, or --decode-attention-backend fa3)")
         logger.info("[fp8rl] decode attention: %s's own (the split-KV kernel replaces FlashAttention-3 only)", name)
         return "not fa3"
+    # the split-KV kernel writes its output's codes for o_proj too where the norms and SiLUs hand theirs over
+    hand_over = get_options().producer_quant == "on" and producers.off_reason(runner.server_args) is None
     # a dispatcher already there (a second install) is replaced, not wrapped: dispatching unwraps it
-    setattr(module, FA3_DECODE_FUNCTION, dispatching(getattr(module, FA3_DECODE_FUNCTION), mode))
-    logger.info("[fp8rl] decode attention: plain FP8-KV decode calls of %s go to the split-KV kernel (%s)",
-                module.__name__, mode)
+    setattr(module, FA3_DECODE_FUNCTION, dispatching(getattr(module, FA3_DECODE_FUNCTION), mode, hand_over))
+    logger.info("[fp8rl] decode attention: plain FP8-KV decode calls of %s go to the split-KV kernel (%s)%s",
+                module.__name__, mode, "; its output's 1x128 codes go to o_proj (--fp8rl-producer-quant on)"
+                if hand_over else "")
     return "installed"

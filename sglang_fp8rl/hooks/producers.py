@@ -7,7 +7,8 @@ the consumer's apply takes them (``gemm_select.lookup.apply_selected``, ``layers
 the fused kernel does not take (another signature, dtype or layout, a Dynamo trace, a norm over more than
 ``kernels.producers.FUSED_NORM_MAX_ROWS`` rows, where it was measured slower) runs SGLang's own forward, as
 does every call once the kernel failed to build; a tensor without codes is quantized by its linear as before. Not
-installed under deterministic inference, whose kernels are SGLang's batch-invariant ones.
+installed under deterministic inference, whose kernels are SGLang's batch-invariant ones. The split-KV decode
+attention kernel hands o_proj its output's codes the same way (``hooks/attention``, ``attention_select``).
 """
 
 from __future__ import annotations
@@ -137,12 +138,19 @@ def plan(model: torch.nn.Module) -> tuple[list[tuple[str, Any, str]], dict[str, 
     return wire, left
 
 
-def install(model: torch.nn.Module, server_args: Any) -> int:
-    """Wire the producers of ``model`` (one log line for the decision); the number wired."""
+def off_reason(server_args: Any) -> str | None:
+    """Why no kernel of a step hands its output's codes over under ``--fp8rl-producer-quant on``, or None."""
     if getattr(server_args, "enable_deterministic_inference", False) or getattr(server_args, "rl_on_policy_target",
                                                                                  None):
-        logger.info("[fp8rl] producer quantization: off under deterministic inference (SGLang's batch-invariant "
-                    "norm and SiLU kernels)")
+        return "off under deterministic inference (SGLang's batch-invariant norm and SiLU kernels)"
+    return None
+
+
+def install(model: torch.nn.Module, server_args: Any) -> int:
+    """Wire the producers of ``model`` (one log line for the decision); the number wired."""
+    why = off_reason(server_args)
+    if why:
+        logger.info("[fp8rl] producer quantization: %s", why)
         return 0
     wire, left = plan(model)
     failed: list[str] = []  # shared: a kernel that does not build here does not build for any producer

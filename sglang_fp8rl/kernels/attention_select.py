@@ -16,6 +16,11 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
+from sglang_fp8rl.kernels import producers
+from sglang_fp8rl.quant import DEFAULT_GROUP_SIZE
+
 logger = logging.getLogger(__name__)
 
 FA3 = "fa3"
@@ -98,17 +103,30 @@ def choose(mode: str, kwargs: Mapping[str, Any]) -> tuple[str, str]:
     return SPLIT_KV, "plain decode over an E4M3 cache (split_kv)"
 
 
-def run_split_kv(kwargs: Mapping[str, Any]) -> Any:
-    """The split-KV kernel on an FA3 call's operands (FA3's output layout: [tokens, heads, head_dim])."""
+def run_split_kv(kwargs: Mapping[str, Any], hand_over: bool = False) -> Any:
+    """The split-KV kernel on an FA3 call's operands (FA3's output layout: [tokens, heads, head_dim]). ``hand_over``
+    (``--fp8rl-producer-quant on``): the kernel also writes its output's 1x128 codes, attached for o_proj
+    (kernels/producers.py), where it allocates that output itself (a buffer the caller passes may be written by
+    another kernel next, which would leave the codes stale) and the head dim is one group."""
     from sglang_fp8rl.kernels.fp8_decode_attention import fp8_decode_attention
 
-    return fp8_decode_attention(kwargs["q"], kwargs["k_cache"], kwargs["v_cache"], kwargs["page_table"],
-                                kwargs["cache_seqlens"], kwargs["softmax_scale"], kwargs["k_descale"],
-                                kwargs["v_descale"], out=kwargs.get("out"))
+    q = kwargs["q"]
+    out_codes = None
+    if hand_over and kwargs.get("out") is None and q.dim() == 3 and q.shape[2] == DEFAULT_GROUP_SIZE:
+        from sglang_fp8rl.kernels.norm_quant import empty_scales  # the layout SGLang hands DeepGEMM
+
+        width = q.shape[1] * q.shape[2]
+        out_codes = (torch.empty(q.shape[0], width, dtype=torch.float8_e4m3fn, device=q.device),
+                     empty_scales(q.shape[0], width, q.device, "tma"))
+    out = fp8_decode_attention(q, kwargs["k_cache"], kwargs["v_cache"], kwargs["page_table"],
+                               kwargs["cache_seqlens"], kwargs["softmax_scale"], kwargs["k_descale"],
+                               kwargs["v_descale"], out=kwargs.get("out"), out_codes=out_codes)
+    return producers.attach(out, *out_codes) if out_codes is not None else out
 
 
-def dispatching(original: Callable, mode: str) -> Callable:
-    """``original`` (FA3's ``flash_attn_with_kvcache``) with plain FP8 decode calls sent to the split-KV kernel."""
+def dispatching(original: Callable, mode: str, hand_over: bool = False) -> Callable:
+    """``original`` (FA3's ``flash_attn_with_kvcache``) with plain FP8 decode calls sent to the split-KV kernel
+    (``hand_over``: see :func:`run_split_kv`)."""
     original = original_of(original) or original  # a dispatcher is replaced, never wrapped
     logged: set[tuple[str, str]] = set()
     unbuildable: list[str] = []  # the kernel failed to build here once: FA3 from then on
@@ -130,7 +148,7 @@ def dispatching(original: Callable, mode: str) -> Callable:
             from sglang_fp8rl.kernels.fp8_decode_attention import BUILD_ERRORS
 
             try:
-                return run_split_kv(kwargs)
+                return run_split_kv(kwargs, hand_over)
             except BUILD_ERRORS as e:  # its outputs are unwritten: FA3 computes this call from the same operands
                 unbuildable.append(f"the split-KV kernel does not build on this GPU: {type(e).__name__}: {e}")
                 logger.warning("[fp8rl] decode attention: FA3 for every call from now on (%s)", unbuildable[0])

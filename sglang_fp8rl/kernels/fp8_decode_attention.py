@@ -45,29 +45,28 @@ from triton.compiler.errors import CompilationError
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
+from sglang_fp8rl.kernels.block_gemm import _quantize_columns
 from sglang_fp8rl.kernels.pdl import INTERPRETED  # the interpreter widens V the plain way
 from sglang_fp8rl.kernels.pdl import capable as pdl_capable
+from sglang_fp8rl.kernels.split_kv_plan import (  # noqa: F401 - the plan's names, re-exported for the kernel's users
+    DEFAULT_BLOCK_N,
+    FINE,
+    HEAD_DIMS,
+    MAX_SPLITS,
+    MIN_BLOCK_H,
+    RESIDENT_PER_SM,
+    cannot_run,
+    check_out_codes,
+    grid_programs,
+    plan_splits,
+    sm_count,
+    work_budget,
+)
+from sglang_fp8rl.kernels.triton_quant import _AMAX_FLOOR_BITS
+from sglang_fp8rl.quant import FP8_MAX
 
-MIN_BLOCK_H = 16  # the smallest MMA M: a GQA group of 4 query heads is padded to it
-# head dims it takes: 128 measured on H100 / H200, 64 on CPU only; 256 would double the K/V tiles in shared memory
-HEAD_DIMS = (64, 128)
-MAX_SPLITS = 64  # splits of one sequence at most: the merge reads this many partial results per row
-# the defaults, from two sweeps on H100s (docs/RESULTS.md sec. 23a): 128 tokens per step with 4 warps was the
-# fastest of BLOCK_N 32/64/128 x 4/8 warps x 2-4 stages at every cell of the first, and within 10 % of the best
-# configuration at every cell of the second (BLOCK_N 64/128 x 2-4 stages x 16 split counts)
-DEFAULT_BLOCK_N = 128
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 3
-# programs per SM in the work budget (one wave): chosen by measurement, not derived from the SM's resources (the
-# default configuration, compiled offline for sm90 by Triton 3.7, reports 20 KB of shared memory at 2, 3 and 4
-# stages alike). On the H100 sweep at equal lengths, the splits this budget gives (32 at batch 1, 1 from batch 32
-# on) were the best measured, and the ceiling of the same quotient (5 at batch 8: a second wave of 56 programs) was
-# 1.28x slower than the best there
-RESIDENT_PER_SM = 2
-# when the splits of ragged lengths do not fit one wave at about the even share of tiles per program, the plan takes
-# programs this many times smaller over several waves: in the H100 sweep of ragged batches (docs/RESULTS.md sec. 24b)
-# three times the one-wave budget was the fastest budget tried at 32-128 sequences, 1.18-1.22x faster than one wave's
-FINE = 3
 LOG2E = 1.4426950408889634
 PLAN_BLOCK_P = 64  # split-launch programs one program of the plan launch describes (``preplan``)
 # the plan written once by a launch of its own and read by both kernels, instead of computed by every program: in the
@@ -235,10 +234,12 @@ def _decode_attn_split_kernel(
 
 @triton.jit
 def _decode_attn_merge_kernel(seqlens_ptr, part_o_ptr, part_lse_ptr, out_ptr, stride_o_tok, stride_o_head,
-                              num_heads, batch, budget, plan_ptr, programs, BLOCK_B: tl.constexpr,
+                              num_heads, batch, budget, plan_ptr, programs, codes_ptr, scales_ptr, stride_c_tok,
+                              stride_s_tok, stride_s_head, BLOCK_B: tl.constexpr,
                               BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
                               SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, PREPLAN: tl.constexpr,
-                              PDL: tl.constexpr = False):
+                              FP8_MAX: tl.constexpr, AMAX_FLOOR_BITS: tl.constexpr, PDL: tl.constexpr = False,
+                              QUANT_OUT: tl.constexpr = False):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     if PDL:
@@ -262,61 +263,13 @@ def _decode_attn_merge_kernel(seqlens_ptr, part_o_ptr, part_lse_ptr, out_ptr, st
     total = tl.sum(w, 0)
     o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None], other=0.0)
     o = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d, o.to(out_ptr.dtype.element_ty))
-
-
-def work_budget(kv_heads: int, sms: int, per_sm: int = RESIDENT_PER_SM) -> int:
-    """Programs per KV head that one wave of resident programs holds: the step's tiles are shared among this many."""
-    return max(1, sms * per_sm // max(1, kv_heads))
-
-
-def grid_programs(batch: int, budget: int, fine: int = FINE) -> int:
-    """Programs per KV head the grid must hold for any lengths: a plan's splits sum to at most fine x budget + batch."""
-    return fine * budget + batch
-
-
-def plan_splits(seqlens: list[int], budget: int, block_n: int = DEFAULT_BLOCK_N, fine: int = FINE) -> list[int]:
-    """Splits per sequence as the kernel plans them (the host's mirror of ``_plan``): the fewest tiles per program
-    with which all splits fit one wave of ``budget`` programs, if that is at most 4/3 of the step's tiles over
-    ``budget``; else ``fine`` times smaller programs than that even share, over several waves. Each sequence gets
-    ceil(its tiles / tiles per program) splits, at least one, at most MAX_SPLITS."""
-    tiles = [-(-n // block_n) for n in seqlens]
-    even = max(1, -(-sum(tiles) // budget))
-
-    def splits(per_program: int) -> list[int]:
-        return [min(MAX_SPLITS, max(1, -(-t // per_program))) for t in tiles]
-
-    lo, hi = even, max(even, max(tiles)) if len(tiles) < budget else even
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if sum(max(1, -(-t // mid)) for t in tiles) <= budget:
-            hi = mid
-        else:
-            lo = mid + 1
-    return splits(lo if 3 * lo <= 4 * even else max(1, -(-even // fine)))
-
-
-def cannot_run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-               cache_seqlens: torch.Tensor) -> str | None:
-    """Why this kernel cannot take the call, or None (the caller has already checked it is a plain decode)."""
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
-        return f"q {tuple(q.shape)} / k_cache {tuple(k_cache.shape)}: expected [tokens, heads, dim] / [pages, " \
-               "page_size, kv_heads, dim]"
-    tokens, heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
-    if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn:
-        return f"KV cache {k_cache.dtype} / {v_cache.dtype}, not float8_e4m3fn"
-    if tuple(v_cache.shape) != tuple(k_cache.shape) or k_cache.shape[3] != dim:
-        return f"K {tuple(k_cache.shape)} and V {tuple(v_cache.shape)} caches differ, or from q's head dim {dim}"
-    if dim not in HEAD_DIMS:
-        return f"head dim {dim} (only {HEAD_DIMS})"
-    if kv_heads == 0 or heads % kv_heads or heads // kv_heads > MIN_BLOCK_H * 4:
-        return f"{heads} query heads over {kv_heads} KV heads"
-    if tokens != cache_seqlens.shape[0] or page_table.shape[0] != tokens:
-        return f"{tokens} query tokens for {cache_seqlens.shape[0]} sequences: not one token per sequence"
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1 or page_table.stride(1) != 1:
-        return "a non-contiguous head dimension or page table row"
-    return None
+    y = o.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d, y)
+    if QUANT_OUT:  # one head's output is one 1x128 group of the o_proj input [tokens, heads * HEAD_DIM]
+        codes, scale = _quantize_columns(tl.reshape(y, [HEAD_DIM, 1]), FP8_MAX, AMAX_FLOOR_BITS)
+        tl.store(codes_ptr + seq.to(tl.int64) * stride_c_tok + head * HEAD_DIM + tl.reshape(offs_d, [HEAD_DIM, 1]),
+                 codes)
+        tl.store(scales_ptr + seq * stride_s_tok + head * stride_s_head + tl.arange(0, 1), scale)
 
 
 def fp8_decode_attention(
@@ -337,6 +290,7 @@ def fp8_decode_attention(
     preplan: bool = PREPLAN,
     v_widen_tile: bool = V_WIDEN_TILE,
     pdl: bool = PDL,
+    out_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V per sequence and query head, K/V read from the FP8 cache: see the module docstring.
 
@@ -347,8 +301,10 @@ def fp8_decode_attention(
     not fit one wave are (the grid holds ``grid_programs`` of them); ``preplan``: one small launch writes the plan
     first and the two kernels read their part of it, instead of every program computing it; ``v_widen_tile``: V
     widened on its tile (``V_WIDEN_TILE``; the same values reach the MMA, added in another order); ``pdl``: the three
-    launches as programmatic dependent launches where the GPU has them (``PDL``; the same bits). Returns ``out`` (or
-    a new tensor) [B, H, D] in BF16."""
+    launches as programmatic dependent launches where the GPU has them (``PDL``; the same bits); ``out_codes``:
+    (codes [B, H * D] e4m3, multipliers [B, H] float32, any strides) to write the output's 1x128 quantization into
+    as well (D 128 only: one head a group), ``quant.quantize_activation_groups`` of the BF16 output bit for bit.
+    Returns ``out`` (or a new tensor) [B, H, D] in BF16."""
     reason = cannot_run(q, k_cache, v_cache, page_table, cache_seqlens)
     if reason:
         raise ValueError(f"fp8_decode_attention: {reason}")
@@ -358,6 +314,8 @@ def fp8_decode_attention(
         if not isinstance(flag, bool):
             raise ValueError(f"fp8_decode_attention: {name} must be a bool, got {flag!r}")
     batch, heads, dim = q.shape
+    if out_codes is not None:
+        check_out_codes(out_codes, batch, heads, dim)
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     if out is None:
@@ -367,7 +325,7 @@ def fp8_decode_attention(
     k_descale = k_descale.expand(batch, kv_heads)
     v_descale = v_descale.expand(batch, kv_heads)
     if budget is None:
-        budget = work_budget(kv_heads, _sm_count(q.device))
+        budget = work_budget(kv_heads, sm_count(q.device))
     programs = grid_programs(batch, budget, fine)
     part_o = torch.empty(programs * heads, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(programs * heads, dtype=torch.float32, device=q.device)
@@ -390,21 +348,12 @@ def fp8_decode_attention(
         PDL=pdl, launch_pdl=pdl, **plan,
     )
     out3 = out.view(batch, heads, dim)
+    codes, scales = out_codes if out_codes is not None else (out3, part_lse)  # not written without QUANT_OUT
     _decode_attn_merge_kernel[(batch, heads)](
         cache_seqlens, part_o, part_lse, out3, out3.stride(0), out3.stride(1), heads, batch, budget, plan_buf, programs,
+        codes, scales, codes.stride(0), scales.stride(0), scales.stride(-1),
         SPLITS_P2=triton.next_power_of_2(min(MAX_SPLITS, fine * budget)), HEAD_DIM=dim, num_warps=4, PREPLAN=preplan,
-        PDL=pdl, launch_pdl=pdl, **plan,
+        FP8_MAX=FP8_MAX, AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, PDL=pdl, launch_pdl=pdl, QUANT_OUT=out_codes is not None,
+        **plan,
     )
     return out
-
-
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the Triton interpreter on CPU: a few splits, so that the merge is exercised
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]

@@ -2,10 +2,10 @@
 
 The producer (the RMSNorm before qkv / gate_up, the SiLU-and-multiply before down) computes its BF16 output and that
 output's 1x128 FP8 codes and multipliers in one kernel (:mod:`sglang_fp8rl.kernels.norm_quant` on CUDA, a torch
-reference elsewhere) and attaches them to the output tensor (:func:`attach`); the linear's apply takes them
-(:func:`quantized_input`) instead of quantizing the BF16 input again. The attachment lives on that tensor object
-only: a view, a copy or a gathered tensor has none, and its linear quantizes as before; so does a tensor written in
-place after the producer (its version counter moved). The codes are
+reference elsewhere) and attaches them to the output's storage (:func:`attach`); the linear's apply takes them
+(:func:`quantized_input`) for that tensor or a contiguous reshape of it (the attention output reaches o_proj as a
+view) instead of quantizing the BF16 input again. A slice, a copy or a gathered tensor has none, and its linear
+quantizes as before; so does a tensor written in place after the producer (its version counter moved). The codes are
 ``quant.quantize_activation_groups`` of the BF16 output, the multipliers in the layout SGLang hands DeepGEMM
 (column-major, M padded to 4), which this package's GEMM reads too. On Hopper and later the kernels are programmatic
 dependent launches, as SGLang launches its own RMSNorm and SiLU kernels there (sgl-kernel's ``enable_pdl`` default):
@@ -14,6 +14,7 @@ a plain launch between two dependent ones would wait for the whole kernel before
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -21,24 +22,38 @@ import torch
 from sglang_fp8rl.kernels import pdl
 from sglang_fp8rl.quant import DEFAULT_GROUP_SIZE, quantize_activation_groups
 
-# (codes [M, K] e4m3, multipliers [M, K/128] float32, the output's version counter then) on a producer's BF16 output
-ATTR = "_fp8rl_quantized"
+ATTR = "_fp8rl_quantized"  # a Handed on the storage of a producer's BF16 output
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class Handed:
+    """A producer's output's quantization, and which tensor of that storage it is of, as written then."""
+
+    codes: torch.Tensor  # [M, K] e4m3
+    scales: torch.Tensor  # [M, K/128] float32 multipliers
+    version: int  # the output's version counter (shared by its views): an in-place write moves it
+    offset: int
+    numel: int
+
+
 def attach(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``out`` carrying its own quantization for the linear that reads it next."""
-    setattr(out, ATTR, (codes, scales, out._version))
+    """``out`` carrying its own quantization for the linear that reads it next (``out`` a fresh, contiguous
+    allocation of the producer's: nothing else writes its storage)."""
+    setattr(out.untyped_storage(), ATTR, Handed(codes, scales, out._version, out.storage_offset(), out.numel()))
     return out
 
 
 def quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The (codes, multipliers) a producer attached to ``x``, or None; None too where ``x`` was written in place
-    since (its version counter moved), so that stale codes are never used."""
-    handed = getattr(x, ATTR, None)
-    if handed is None or handed[2] != x._version:
+    """The (codes, multipliers) a producer attached to ``x`` or to the tensor ``x`` is a contiguous reshape of, or
+    None; None too where it was written in place since (the version counter moved), so stale codes are never used."""
+    if torch.compiler.is_compiling() or not x.is_contiguous():
         return None
-    return handed[0], handed[1]
+    handed = vars(x.untyped_storage()).get(ATTR)
+    if (handed is None or handed.version != x._version or handed.offset != x.storage_offset()
+            or handed.numel != x.numel() or x.shape[-1] != handed.codes.shape[-1]):
+        return None
+    return handed.codes, handed.scales
 
 
 def note_taken() -> None:

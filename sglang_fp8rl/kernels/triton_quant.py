@@ -105,13 +105,18 @@ def _clamped_quotient(x, scale, rcp, FP8_MAX: tl.constexpr):
 
     ``q0 = x * rcp`` is within a couple of ulps; one FMA correction (Markstein) with the exact residual
     ``x - q0 * scale`` rounds it correctly. That holds for every BF16 ``x`` and float32 ``scale`` whose quotient is
-    a normal float32: tests/gpu checks all 2**30 pairs of significands exhaustively. Smaller quotients (< 2**-126)
+    a normal float32 (x below 2**-96 lifted by 2**64 first, so that the residual stays a normal float32): tests/gpu
+    checks all 2**30 pairs of significands exhaustively. Smaller quotients (< 2**-126)
     encode as a signed FP8 zero either way; the correction can lose the sign of a zero, so x's sign is put back.
     ``tl.math.div_rn`` per element gives the same bits at about twice the instructions (Triton's ``/`` on float32
     is an approximate division and would not).
     """
-    q0 = x * rcp
-    q = tl.fma(tl.fma(-q0, scale, x), rcp, q0)
+    # |x| < 2**-96 (a block far below the amax floor): the residual would be subnormal and lose the bits the
+    # correction needs, so x is lifted by 2**64 and the quotient scaled back, both exact (literals: no global lookup)
+    tiny = tl.abs(x) < 1.262177448353619e-29
+    xs = tl.where(tiny, x * 18446744073709551616.0, x)
+    q0 = xs * rcp
+    q = tl.where(tiny, 5.421010862427522e-20, 1.0) * tl.fma(tl.fma(-q0, scale, xs), rcp, q0)
     x_bits = x.to(tl.int32, bitcast=True)
     sign = x_bits ^ (x_bits & 0x7FFFFFFF)
     q = ((q.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | sign).to(tl.float32, bitcast=True)

@@ -136,3 +136,20 @@ def test_dependent_launches_replay_the_plain_launchs_bits_in_a_chain_of_layers()
         plain = layers(False)
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(replayed, plain)), new
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_output_codes_are_its_own_quantization(pdl):
+    """out_codes (--fp8rl-producer-quant on, for o_proj): quant.quantize_activation_groups of the BF16 output, bit for
+    bit, in the layout SGLang hands DeepGEMM; the output itself the plain call's."""
+    from sglang_fp8rl.kernels.norm_quant import empty_scales
+    from sglang_fp8rl.quant import quantize_activation_groups
+
+    case = on_cuda(paged_case(9, 8, 8, 4, 128, 1, [1, 17, 128, 129, 1000, 2048, 3000, 4097]))
+    codes = torch.empty(8, 32 * 128, dtype=torch.float8_e4m3fn, device="cuda")
+    scales = empty_scales(8, 32 * 128, torch.device("cuda"), "tma")
+    out = run(case, out_codes=(codes, scales), pdl=pdl)
+    assert torch.equal(out, run(case))
+    ref_q, ref_s = quantize_activation_groups(out.reshape(8, -1).cpu(), 128)
+    assert torch.equal(codes.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(scales.cpu().contiguous(), ref_s)
