@@ -13,8 +13,9 @@ to FA3 (a [1] tensor expanded to [batch, kv_heads]). Per cell (running batch x c
               its first use JIT-compiles the module (the seconds it took are recorded)
   split_kv_vtile  with --v-widen-tile: the split-KV kernel's default with V widened on its tile (V_WIDEN_TILE),
               and whether its output has the default's bits
-  split_kv_pdl  with --pdl: the default's three launches as programmatic dependent launches (fp8_decode_attention.PDL;
-              the graph's copies run back to back, so each call's launch overlaps the one before), and its bits
+  split_kv_plain / split_kv_pdl  with --pdl: the default with its three launches in the other form, plain where
+              the default is programmatic dependent launches (fp8_decode_attention.PDL, on), else dependent (the
+              graph's copies run back to back, so each call's launch overlaps the one before), and its bits
 
 A cell's contexts are all equal, or ragged ("r" cells): lognormal (sigma 1, as an RL batch's contexts spread) with
 the cell's context as their mean, each between 64 tokens and 8x the mean, the same draw for every kernel.
@@ -154,9 +155,11 @@ def fa3_calls(cell: Cell, fp8: bool):
 
 # optional kernels of a row (options --flashinfer, --v-widen-tile) and their column names
 OPTIONAL_KERNELS = {"fi_fp8": "FlashInfer FP8", "split_kv_vtile": "split-KV, V widened on its tile",
-                    "split_kv_pdl": "split-KV, dependent launches"}
-# the split-KV kernel's optional forms: (column, the keyword that makes it)
-SPLIT_KV_FORMS = (("split_kv_vtile", "v_widen_tile"), ("split_kv_pdl", "pdl"))
+                    "split_kv_pdl": "split-KV, dependent launches", "split_kv_plain": "split-KV, plain launches"}
+# the split-KV kernel's optional forms: (column, option, the keywords that make it): V widened on its tile, and the
+# launch form the default does not use (dependent launches are the default on Hopper since docs/RESULTS.md 35d)
+SPLIT_KV_FORMS = (("split_kv_vtile", "v_widen_tile", {"v_widen_tile": True}),
+                  ("split_kv_plain" if FDA.PDL else "split_kv_pdl", "pdl", {"pdl": not FDA.PDL}))
 FI_WORKSPACE_BYTES = 256 << 20  # SGLang's flashinfer backend allocates this much float workspace (its default)
 
 
@@ -249,10 +252,10 @@ def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float, flas
     row["kernels"]["split_kv"] = {"us": us, **plan, "gbps": nbytes / us / 1e3,
                                   "of_copy_bw": nbytes / us / 1e3 / bw, "error": error_vs(ref, default_out)}
     wanted = {"v_widen_tile": v_widen_tile, "pdl": pdl}
-    for column, keyword in SPLIT_KV_FORMS:  # the default with one option on; whether its bits are the default's
-        if not wanted[keyword]:
+    for column, option, keywords in SPLIT_KV_FORMS:  # the default with one change; whether its bits are the default's
+        if not wanted[option]:
             continue
-        form_call, _ = split_kv_call(cell, {keyword: True}, sms)
+        form_call, _ = split_kv_call(cell, keywords, sms)
         us = time_graph(form_call, cell.copies)
         form_out = form_call(0)
         row["kernels"][column] = {"us": us, "gbps": nbytes / us / 1e3, "of_copy_bw": nbytes / us / 1e3 / bw,
@@ -337,8 +340,8 @@ def main() -> int:
     p.add_argument("--v-widen-tile", action="store_true",
                    help="also the split-KV kernel with V widened on its tile (fp8_decode_attention.V_WIDEN_TILE)")
     p.add_argument("--pdl", action="store_true",
-                   help="also the split-KV kernel's launches as programmatic dependent launches "
-                   "(fp8_decode_attention.PDL)")
+                   help="also the split-KV kernel with its launches in the form the default does not use (plain or "
+                   "programmatic dependent launches, fp8_decode_attention.PDL)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()

@@ -30,7 +30,7 @@ compiled loop (docs/RESULTS.md sec. 28f); a form with the tokens on the MMA's M 
 not faster on an H100 (sec. 29a) and was removed. ``v_widen_tile`` (``V_WIDEN_TILE``, off) widens V on its tile as
 loaded and hands the FP16 tile to the MMA through shared memory: no byte loads, a third fewer instructions (sec. 30f),
 the same error against a float64 reference but not the same bits (its FP32 adds run in another order), and 1-11 %
-slower than the default at 1-32 sequences on an H100, 4-11 % faster at 128-384 (sec. 31b). ``pdl`` (``PDL``, off)
+slower than the default at 1-32 sequences on an H100, 4-11 % faster at 128-384 (sec. 31b). ``pdl`` (``PDL``, on)
 launches the three kernels as programmatic dependent launches: each waits (``griddepcontrol.wait``) before reading
 what the kernel before it wrote, the plan and the merge let the next kernel launch at once, the split kernel only after
 its stores (an early successor would take SM slots from its later waves); the same bits.
@@ -79,9 +79,10 @@ PREPLAN = True
 # the 1-8 sequences `auto` gives this kernel (docs/RESULTS.md sec. 31b); the H200 is not measured
 # (scripts/gpu/bench_decode_attention.py --v-widen-tile compares the two forms)
 V_WIDEN_TILE = False
-# programmatic dependent launches of the plan, split and merge kernels (compute capability 9.0 and later): off until
-# measured in the served step (scripts/gpu/bench_decode_attention.py --pdl compares the two forms)
-PDL = False
+# programmatic dependent launches of the plan, split and merge kernels (compute capability 9.0 and later): on an
+# H100, 1.6-2.7 us less a call than plain launches at 1-128 sequences, the same bits (scripts/gpu/
+# bench_decode_attention.py --pdl: calls back to back in a CUDA graph; docs/RESULTS.md sec. 35d)
+PDL = True
 # what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
 # caller may run another kernel instead; a kernel that compiled never raises these
 BUILD_ERRORS = (CompilationError, OutOfResources)
