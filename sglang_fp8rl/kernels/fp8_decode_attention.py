@@ -97,9 +97,9 @@ def _plan(seqlens_ptr, batch, budget, BLOCK_B: tl.constexpr, BLOCK_N: tl.constex
     tiles = tl.cdiv(tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0), BLOCK_N)
     even = tl.maximum(tl.cdiv(tl.sum(tiles, 0), budget), 1)  # tiles per program if they divided evenly
     # the fewest tiles per program with which every sequence's splits fit one wave (a binary search; none fits when
-    # the batch alone fills the wave)
+    # the batch alone overfills the wave; a batch of exactly one wave fits with one split each)
     lo = even
-    hi = tl.where(batch < budget, tl.maximum(even, tl.max(tiles, 0)), even)
+    hi = tl.where(batch <= budget, tl.maximum(even, tl.max(tiles, 0)), even)
     while lo < hi:
         mid = (lo + hi) // 2
         fits = tl.sum(tl.where(in_batch, tl.maximum(tl.cdiv(tiles, mid), 1), 0), 0) <= budget

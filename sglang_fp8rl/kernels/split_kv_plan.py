@@ -50,7 +50,8 @@ def plan_splits(seqlens: list[int], budget: int, block_n: int = DEFAULT_BLOCK_N,
     def splits(per_program: int) -> list[int]:
         return [min(MAX_SPLITS, max(1, -(-t // per_program))) for t in tiles]
 
-    lo, hi = even, max(even, max(tiles)) if len(tiles) < budget else even
+    # a batch of exactly ``budget`` sequences fits one wave with one split each (found by the property test)
+    lo, hi = even, max(even, max(tiles)) if len(tiles) <= budget else even
     while lo < hi:
         mid = (lo + hi) // 2
         if sum(max(1, -(-t // mid)) for t in tiles) <= budget:
