@@ -16,8 +16,6 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-
 from sglang_fp8rl.kernels import producers
 from sglang_fp8rl.quant import DEFAULT_GROUP_SIZE
 
@@ -113,11 +111,10 @@ def run_split_kv(kwargs: Mapping[str, Any], hand_over: bool = False) -> Any:
     q = kwargs["q"]
     out_codes = None
     if hand_over and kwargs.get("out") is None and q.dim() == 3 and q.shape[2] == DEFAULT_GROUP_SIZE:
-        from sglang_fp8rl.kernels.norm_quant import empty_scales  # the layout SGLang hands DeepGEMM
+        from sglang_fp8rl.kernels.norm_quant import empty_codes
 
-        width = q.shape[1] * q.shape[2]
-        out_codes = (torch.empty(q.shape[0], width, dtype=torch.float8_e4m3fn, device=q.device),
-                     empty_scales(q.shape[0], width, q.device, "tma"))
+        # the scale layout SGLang hands DeepGEMM
+        out_codes = empty_codes(q.shape[0], q.shape[1] * q.shape[2], q.device, "tma")
     out = fp8_decode_attention(q, kwargs["k_cache"], kwargs["v_cache"], kwargs["page_table"],
                                kwargs["cache_seqlens"], kwargs["softmax_scale"], kwargs["k_descale"],
                                kwargs["v_descale"], out=kwargs.get("out"), out_codes=out_codes)

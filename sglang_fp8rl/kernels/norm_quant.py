@@ -101,6 +101,11 @@ def empty_scales(m: int, k: int, device: torch.device, scale_layout: str = "row"
     return torch.empty(groups, padded, dtype=torch.float32, device=device).t()[:m]
 
 
+def empty_codes(m: int, k: int, device: torch.device, scale_layout: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes [M, K], float32 multipliers [M, K/128] in ``scale_layout``): room for one 1x128 quantization."""
+    return torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device), empty_scales(m, k, device, scale_layout)
+
+
 def _check_rows(name: str, t: torch.Tensor, k: int) -> None:
     if t.dtype != torch.bfloat16 or t.dim() != 2 or t.stride(1) != 1 or t.shape[1] != k or k % GROUP_K:
         raise ValueError(f"{name} must be a 2-D BF16 tensor with contiguous rows of width {k} (a multiple of "
@@ -122,8 +127,7 @@ def add_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residua
     if k // GROUP_K > MAX_NORM_GROUPS:
         raise ValueError(f"rows wider than {MAX_NORM_GROUPS * GROUP_K} are not one program's tile, got {k}")
     out = torch.empty_like(x)
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = empty_scales(m, k, x.device, scale_layout)
+    q, s = empty_codes(m, k, x.device, scale_layout)
     if m == 0:
         return out, q, s
     r = residual if residual is not None else x  # not read without HAS_RESIDUAL
@@ -148,8 +152,7 @@ def silu_mul_quant(gate_up: torch.Tensor, scale_layout: str = "row", pdl: bool =
     if k % GROUP_K:
         raise ValueError(f"gate_up's halves must be a multiple of {GROUP_K} wide, got {k}")
     out = torch.empty(m, k, dtype=torch.bfloat16, device=gate_up.device)
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=gate_up.device)
-    s = empty_scales(m, k, gate_up.device, scale_layout)
+    q, s = empty_codes(m, k, gate_up.device, scale_layout)
     if m == 0:
         return out, q, s
     groups = k // GROUP_K
