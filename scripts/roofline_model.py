@@ -175,6 +175,25 @@ def step_model(s: Shape, weights: str, kv: str, batch: int, context: float, band
             "bound": "memory" if compute_s is None or memory_s >= compute_s else "compute"}
 
 
+def group_floors(s: Shape, weights: str, kv: str, batch: int, context: float, bandwidth_gbps: float,
+                 peaks: dict[str, float] | None) -> dict[str, float]:
+    """Seconds each kernel group of a step needs at least (its bytes at the copy bandwidth, or its FLOPs at peak):
+    GEMMs (layer linears, router), attention (K/V read and write), logits/sampling (lm_head), norms/rotary (their
+    weights), other (the embedding rows); activation quantization has none (a producer can write the codes)."""
+    b, f = {**weight_bytes(s, weights, batch), **kv_bytes(s, kv, batch, context)}, step_flops(s, batch, context)
+    bw = bandwidth_gbps * 1e9
+
+    def at_least(nbytes: float, flops: float, dtype: str) -> float:
+        return max(nbytes / bw, flops / (peaks[dtype] * 1e12) if peaks else 0.0)
+
+    return {"GEMMs": at_least(b["layers"] + b["router"], f["linears"], weights),
+            "activation quantization": 0.0,
+            "attention": at_least(b["kv_read"] + b["kv_write"], f["attention"], kv),
+            "norms/rotary": b["norms"] / bw,
+            "logits/sampling": at_least(b["lm_head"], f["lm_head"], "bf16"),
+            "other": b["embedding"] / bw}
+
+
 def fits(pool_tokens: int | None, batch: int, input_len: int, output_len: int) -> bool:
     """Whether bench_one_batch runs the cell: its KV pool holds batch x (input + output) tokens."""
     return pool_tokens is None or batch * (input_len + output_len) <= pool_tokens

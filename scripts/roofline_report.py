@@ -190,16 +190,24 @@ def kernel_groups(kernels: dict, steps: int, layers: int) -> dict[str, float]:
     return {g: us / steps for g, us in groups.items()}
 
 
-def breakdown(data: dict, shape: RM.Shape, tables: dict) -> list[dict]:
-    """One row per profiled (config, cell): ms per step by group, kernel total, the cell's measured steps."""
+def breakdown(data: dict, shape: RM.Shape, tables: dict, bw: dict | None = None, pk: dict | None = None
+              ) -> list[dict]:
+    """One row per profiled (config, cell): ms per step by group, kernel total, the cell's measured steps; with a
+    bandwidth, each group's floor (``roofline_model.group_floors``) as well."""
     rows = []
     for cfg, cells in data.get("profiles", {}).items():
+        records = cells_of(data.get("runs", {}).get(cfg, {}))
         for key, prof in cells.items():
             g = kernel_groups(prof.get("kernels", {}), prof.get("steps", 1), shape.layers)
             row = tables.get(cfg, {}).get(key, {})
             rows.append({"config": cfg, "cell": key, "groups_ms": {k: v / 1e3 for k, v in g.items()},
                          "kernels_ms": sum(g.values()) / 1e3, "step_ms": row.get("step_ms"),
                          "bench_ms": row.get("bench_ms"), "trace": prof.get("trace")})
+            record = records.get(key)
+            if bw and record and not record.get("skipped"):
+                weights, kv = RM.PRECISION.get(cfg, ("bf16", "bf16"))
+                floors = RM.group_floors(shape, weights, kv, int(record["bs"]), mean_context(record), bw["gbps"], pk)
+                rows[-1]["floors_ms"] = {k: 1e3 * v for k, v in floors.items()}
     return rows
 
 
@@ -227,7 +235,7 @@ def build_report(data: dict) -> dict:
     tables = {cfg: config_rows(data, shape, cfg, bw, pk) for cfg in configs}
     ups = speedups(tables, meta)
     return {"bandwidth": bw, "card": card, "peak_tflops": pk, "tables": tables, "speedups": ups,
-            "targets": evaluate_targets(tables, ups, meta), "breakdown": breakdown(data, shape, tables),
+            "targets": evaluate_targets(tables, ups, meta), "breakdown": breakdown(data, shape, tables, bw, pk),
             "checks": prefill_checks(data)}
 
 
@@ -338,6 +346,23 @@ def _breakdown_table(report: dict) -> list[str]:
     return lines
 
 
+def _floor_table(report: dict) -> list[str]:
+    """Each group's kernel time against its floor: where the step's distance from its own floor lies."""
+    rows = [r for r in report["breakdown"] if r.get("floors_ms")]
+    if not rows:
+        return []
+    lines = ["", "Each group against its floor (bytes at the copy bandwidth, or FLOPs at peak; ms a step, the floor's "
+             "share of the time, and the time above the floor):", "",
+             "| config | cell | " + " | ".join(GROUPS) + " | above the floors |", "| --- | --- |" + " ---: |" * 7]
+    for r in rows:
+        t, fl = r["groups_ms"], r["floors_ms"]
+        cells = [f"{t[g]:.3f} ({_f(fl[g] / t[g] if t[g] else None, '{:.0%}')}, +{t[g] - fl[g]:.3f})" for g in GROUPS]
+        above = sum(t[g] - fl[g] for g in GROUPS)
+        lines.append(f"| {NAMES.get(r['config'], r['config'])} | {_cell_name(r['cell'])} | " + " | ".join(cells) +
+                     f" | {above:.3f} |")
+    return lines
+
+
 def _check_lines(report: dict) -> list[str]:
     return [f"- prefill check, {NAMES.get(c['config'], c['config'])} {_cell_name(c['cell'])}: step after a real "
             f"prefill {_f(c['real_ms'])} ms, after the skipped one {_f(c['skipped_ms'])} ms (ratio "
@@ -357,5 +382,5 @@ def format_report(data: dict, report: dict) -> str:
     sections = [_header(data, report), *[_config_table(cfg, rows) for cfg, rows in report["tables"].items()],
                 _speedup_table(report, data["meta"]),
                 ["### Targets (issue 35, per decode step)", "", *[_target_line(t) for t in report["targets"]]],
-                _check_lines(report), _breakdown_table(report), _run_lines(data)]
+                _check_lines(report), _breakdown_table(report) + _floor_table(report), _run_lines(data)]
     return "\n\n".join("\n".join(s) for s in sections if s)

@@ -109,6 +109,26 @@ def test_compute_side_uses_each_parts_dtype():
     assert RM.step_model(QWEN3_8B, "bf16", "bf16", 1, 1024, 3000.0, None)["compute_s"] is None
 
 
+def test_group_floors_by_hand_and_their_sum_is_the_memory_floor():
+    # FP8 weights + FP8 KV, 8 running at 4k, 3 TB/s: GEMMs read the layers' codes and block scales, attention the
+    # K/V of every context token (and writes one token each), logits lm_head in BF16; quantization needs nothing
+    kv_token_fp8 = KV_TOKEN_BF16 // 2
+    got = RM.group_floors(QWEN3_8B, "fp8", "fp8", 8, 4096, 3000.0, RM.PEAK_TFLOPS["H100 SXM"])
+    assert got["GEMMs"] == pytest.approx((LAYER_WEIGHTS + FP8_SCALE_BYTES) / 3e12)
+    assert got["attention"] == pytest.approx(8 * 4097 * kv_token_fp8 / 3e12)
+    assert got["logits/sampling"] == pytest.approx(2 * LM_HEAD / 3e12)
+    assert got["norms/rotary"] == pytest.approx(NORM_BYTES / 3e12)
+    assert got["activation quantization"] == 0.0 and got["other"] == pytest.approx(8 * 8192 / 3e12)
+    whole = RM.step_model(QWEN3_8B, "fp8", "fp8", 8, 4096, 3000.0, RM.PEAK_TFLOPS["H100 SXM"])
+    assert sum(got.values()) == pytest.approx(whole["memory_s"])  # every byte of the step in exactly one group
+    # 384 running with unlimited bandwidth: each group at its FLOPs and its dtype's peak
+    fast = RM.group_floors(QWEN3_8B, "fp8", "bf16", 384, 1024, 1e12, RM.PEAK_TFLOPS["H100 SXM"])
+    f = RM.step_flops(QWEN3_8B, 384, 1024)
+    assert fast["GEMMs"] == pytest.approx(f["linears"] / 1978.9e12)
+    assert fast["attention"] == pytest.approx(f["attention"] / 989.4e12)
+    assert fast["logits/sampling"] == pytest.approx(f["lm_head"] / 989.4e12)
+
+
 def test_moe_counts_the_experts_the_batch_touches():
     s = QWEN3_30B_A3B
     attn = 5120 * 2048 + 2048 * 4096  # qkv (32 + 2 x 4) x 128, o
@@ -221,6 +241,15 @@ def test_prefill_check_and_breakdown_rows(rebuilt):
     assert fp8["activation quantization"] == pytest.approx(0.215)
     assert fp8["logits/sampling"] == pytest.approx(0.437 + 0.011)  # lm_head (1 launch a step) + argmax
     assert rows[("bf16", "8x4096")]["groups_ms"]["activation quantization"] == 0
+    # each group against its floor at the cell's own mean context and the run's measured bandwidth
+    rec = RP.cells_of(saved["runs"]["fp8_online_blockwise"])["8x4096"]
+    want = RM.group_floors(QWEN3_8B, "fp8", "bf16", 8, RP.mean_context(rec), saved["report"]["bandwidth"]["gbps"],
+                           saved["report"]["peak_tflops"])
+    assert rows[("fp8_online_blockwise", "8x4096")]["floors_ms"] == pytest.approx({k: 1e3 * v for k, v in want.items()})
+    assert "Each group against its floor" in md
+    gemm = rows[("fp8_online_blockwise", "8x4096")]
+    share = gemm["floors_ms"]["GEMMs"] / gemm["groups_ms"]["GEMMs"]
+    assert f"| {gemm['groups_ms']['GEMMs']:.3f} ({share:.0%}, +" in md
     assert "prefill check, BF16 8 x 4k" in md
 
 
