@@ -154,11 +154,16 @@ def card_of(device: str) -> str | None:
     return None
 
 
-def compute_seconds(flops: dict[str, float], weights: str, kv: str, peaks: dict[str, float]) -> float:
-    """Time of the FLOPs at peak: linears at the weights' dtype, lm_head in BF16, attention at the KV dtype (FA3
+def flop_seconds(flops: dict[str, float], weights: str, kv: str, peaks: dict[str, float]) -> dict[str, float]:
+    """Each part's FLOPs at peak: linears at the weights' dtype, lm_head in BF16, attention at the KV dtype (FA3
     runs attention in FP8 over an FP8 cache)."""
-    rate = {"linears": peaks[weights], "lm_head": peaks["bf16"], "attention": peaks[kv]}
-    return sum(f / (rate[part] * 1e12) for part, f in flops.items())
+    dtype = {"linears": weights, "lm_head": "bf16", "attention": kv}
+    return {part: f / (peaks[dtype[part]] * 1e12) for part, f in flops.items()}
+
+
+def compute_seconds(flops: dict[str, float], weights: str, kv: str, peaks: dict[str, float]) -> float:
+    """Time of all the step's FLOPs at peak (``flop_seconds`` summed)."""
+    return sum(flop_seconds(flops, weights, kv, peaks).values())
 
 
 def step_model(s: Shape, weights: str, kv: str, batch: int, context: float, bandwidth_gbps: float,
@@ -180,17 +185,14 @@ def group_floors(s: Shape, weights: str, kv: str, batch: int, context: float, ba
     """Seconds each kernel group of a step needs at least (its bytes at the copy bandwidth, or its FLOPs at peak):
     GEMMs (layer linears, router), attention (K/V read and write), logits/sampling (lm_head), norms/rotary (their
     weights), other (the embedding rows); activation quantization has none (a producer can write the codes)."""
-    b, f = {**weight_bytes(s, weights, batch), **kv_bytes(s, kv, batch, context)}, step_flops(s, batch, context)
+    b = {**weight_bytes(s, weights, batch), **kv_bytes(s, kv, batch, context)}
+    f = flop_seconds(step_flops(s, batch, context), weights, kv, peaks) if peaks else {}
     bw = bandwidth_gbps * 1e9
-
-    def at_least(nbytes: float, flops: float, dtype: str) -> float:
-        return max(nbytes / bw, flops / (peaks[dtype] * 1e12) if peaks else 0.0)
-
-    return {"GEMMs": at_least(b["layers"] + b["router"], f["linears"], weights),
+    return {"GEMMs": max((b["layers"] + b["router"]) / bw, f.get("linears", 0.0)),
             "activation quantization": 0.0,
-            "attention": at_least(b["kv_read"] + b["kv_write"], f["attention"], kv),
+            "attention": max((b["kv_read"] + b["kv_write"]) / bw, f.get("attention", 0.0)),
             "norms/rotary": b["norms"] / bw,
-            "logits/sampling": at_least(b["lm_head"], f["lm_head"], "bf16"),
+            "logits/sampling": max(b["lm_head"] / bw, f.get("lm_head", 0.0)),
             "other": b["embedding"] / bw}
 
 

@@ -353,7 +353,8 @@ def _floor_table(report: dict) -> list[str]:
         return []
     lines = ["", "Each group against its floor (bytes at the copy bandwidth, or FLOPs at peak; ms a step, the floor's "
              "share of the time, and the time above the floor):", "",
-             "| config | cell | " + " | ".join(GROUPS) + " | above the floors |", "| --- | --- |" + " ---: |" * 7]
+             "| config | cell | " + " | ".join(GROUPS) + " | above the floors |",
+             "| --- | --- |" + " ---: |" * (len(GROUPS) + 1)]
     for r in rows:
         t, fl = r["groups_ms"], r["floors_ms"]
         cells = [f"{t[g]:.3f} ({_f(fl[g] / t[g] if t[g] else None, '{:.0%}')}, +{t[g] - fl[g]:.3f})" for g in GROUPS]

@@ -12,7 +12,7 @@ set -euo pipefail
 cmd=${1:?save|restore}; dir=${2:?folder}
 PART=15000000
 MAX_PARTS=${JIT_CACHE_MAX_PARTS:-3}
-# the caches device_env.sh and SGLang set: Triton and FlashInfer under /tmp, DeepGEMM and tvm-ffi under ~/.cache
+# the compilation caches device_env.sh and SGLang set: Triton's under /tmp, DeepGEMM's and tvm-ffi's under ~/.cache
 CACHES=("${TRITON_CACHE_DIR:-/tmp/triton_cache}" "$HOME/.cache/deep_gemm" "$HOME/.cache/tvm-ffi")
 case $cmd in
 save)
