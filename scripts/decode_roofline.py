@@ -50,6 +50,7 @@ saved run without a GPU.
   python scripts/decode_roofline.py --out /tmp/roofline                 # the grid, 3 configs (~4-7.5 min)
   python scripts/decode_roofline.py --configs fp8_online_blockwise_kv --merge /tmp/roofline/roofline.json --out /tmp/r2
   python scripts/decode_roofline.py --dry-run --recorded tests/data/roofline_recorded.json --out /tmp/r
+  python scripts/decode_roofline.py --dry-run --recorded A/roofline.json --merge B/roofline.json --out /tmp/r  # A + B's
 """
 from __future__ import annotations
 
@@ -276,7 +277,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def dry_run(args: argparse.Namespace, plan: list[tuple], out: str) -> int:
-    """Print each config's command (and its child's settings); with --recorded rebuild that run's report."""
+    """Print each config's command (and its child's settings); with --recorded rebuild that run's report (with the
+    configs of --merge's files it lacks)."""
     for label, _, _, _, cmd, env in plan:
         shown = " ".join(f"{k}={env[k]}" for k in sorted(env) if k.startswith(("SGLANG", "FP8RL")))
         print(f"# {label}: env {shown} {ENV}='{json.dumps(child_settings(args, '<out>/raw', label, '<stop>'))}'")
@@ -286,6 +288,7 @@ def dry_run(args: argparse.Namespace, plan: list[tuple], out: str) -> int:
             data = json.load(f)
         data.pop("report", None)
         data["meta"].update(overrides(args))
+        merge_runs(data, args.merge, list(data["runs"]))
         print("\n" + write_report(out, data))
     return 0
 

@@ -176,6 +176,33 @@ def test_dry_run_rebuilds_both_files(rebuilt):
     assert "32 x 12k: KV pool: 32 x (12288 + 9) = 393,504 tokens > the pool's 362,891" in md
 
 
+def test_dry_run_merges_the_configs_a_recorded_run_lacks(tmp_path):
+    """--merge beside --recorded: BF16 from another run, so that the recorded FP8 run gets its speed-ups."""
+    with open(FIXTURE) as f:
+        full = json.load(f)
+    fp8_only, bf16_only = json.loads(json.dumps(full)), json.loads(json.dumps(full))
+    del fp8_only["runs"]["bf16"]
+    fp8_only["meta"]["configs"].remove("bf16")
+    fp8_only["profiles"].pop("bf16", None)
+    bf16_only["runs"]["fp8_online_blockwise_kv"]["records"] = []  # a run of its own: the recorded one's wins
+    paths = {}
+    for name, data in (("fp8", fp8_only), ("bf16", bf16_only)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(data))
+    alone, merged = tmp_path / "alone", tmp_path / "merged"
+    assert DR.main(["--dry-run", "--recorded", str(paths["fp8"]), "--out", str(alone)]) == 0
+    assert DR.main(["--dry-run", "--recorded", str(paths["fp8"]), "--merge", str(paths["bf16"]),
+                    "--out", str(merged)]) == 0
+    rep_alone = json.loads((alone / "roofline.json").read_text())["report"]
+    saved = json.loads((merged / "roofline.json").read_text())
+    assert not rep_alone["speedups"].get("128x1024", {}).get("fp8_online_blockwise_kv")
+    assert saved["runs"]["bf16"]["merged_from"] == str(paths["bf16"])
+    assert saved["runs"]["fp8_online_blockwise_kv"]["records"] == full["runs"]["fp8_online_blockwise_kv"]["records"]
+    b = statistics.median(RP.cells_of(full["runs"]["bf16"])["128x1024"]["b2b_s"])
+    k = statistics.median(RP.cells_of(full["runs"]["fp8_online_blockwise_kv"])["128x1024"]["b2b_s"])
+    assert saved["report"]["speedups"]["128x1024"]["fp8_online_blockwise_kv"] == pytest.approx(b / k)
+
+
 def test_floor_and_efficiency_of_a_recorded_cell(rebuilt):
     saved, _ = rebuilt
     rec = RP.cells_of(saved["runs"]["bf16"])["8x4096"]

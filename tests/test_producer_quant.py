@@ -129,12 +129,12 @@ def test_a_wired_norm_hands_over_its_codes_and_falls_back_for_every_call_it_does
     codes, scales = producers.quantized_input(out)
     assert torch.equal(scales, quantize_activation_groups(out, 128)[1])
     assert producers.quantized_input(silu(bf16(4, 768, seed=6))) is not None
-    assert producers.quantized_input(silu(bf16(producers.FUSED_NORM_MAX_ROWS + 1, 768, seed=6))) is not None
-    assert producers.quantized_input(norm(bf16(producers.FUSED_NORM_MAX_ROWS, 256, seed=8))) is not None
+    assert producers.quantized_input(silu(bf16(producers.FUSED_MAX_ROWS, 768, seed=6))) is not None
+    assert producers.quantized_input(norm(bf16(producers.FUSED_MAX_ROWS, 256, seed=8))) is not None
     # calls the fused kernel does not take: SGLang's own forward, nothing handed over
-    many = producers.FUSED_NORM_MAX_ROWS + 1  # a batch above the fused norm's measured range
+    many = producers.FUSED_MAX_ROWS + 1  # a batch above the fused kernels' measured range
     taken_by_sglang = [norm(x.float()), norm(x, r.clone(), r.clone())[0], norm(x.t().contiguous().t()),
-                       silu(bf16(4, 640, seed=7)), norm(bf16(many, 256, seed=8))]
+                       silu(bf16(4, 640, seed=7)), norm(bf16(many, 256, seed=8)), silu(bf16(many, 768, seed=9))]
     assert all(producers.quantized_input(t) is None for t in taken_by_sglang)
     # the kernel fails once: logged once, SGLang's forward for this call and every later one, of every producer
     def broken(*args, **kwargs):

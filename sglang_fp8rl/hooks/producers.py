@@ -4,8 +4,8 @@ output's 1x128 FP8 quantization, so those block-FP8 linears launch no quantizer 
 After load (``hooks/model_runner``), each decoder layer's producer whose consumer is a block-FP8 linear of ours gets
 an instance ``forward`` that computes its output with :mod:`sglang_fp8rl.kernels.producers` and attaches the codes;
 the consumer's apply takes them (``gemm_select.lookup.apply_selected``, ``layers/linear.reference_linear``). A call
-the fused kernel does not take (another signature, dtype or layout, a Dynamo trace, a norm over more than
-``kernels.producers.FUSED_NORM_MAX_ROWS`` rows, where it was measured slower) runs SGLang's own forward, as
+the fused kernel does not take (another signature, dtype or layout, a Dynamo trace, a norm or SiLU over more than
+``kernels.producers.FUSED_MAX_ROWS`` rows, where it was measured slower) runs SGLang's own forward, as
 does every call once the kernel failed to build; a tensor without codes is quantized by its linear as before. Not
 installed under deterministic inference, whose kernels are SGLang's batch-invariant ones. The split-KV decode
 attention kernel hands o_proj its output's codes the same way (``hooks/attention``, ``attention_select``).
@@ -81,7 +81,7 @@ def fused_norm(norm: Any, original: Callable, failed: list[str]) -> Callable:
         rest = [*args[2:], *(v for key, v in kwargs.items() if key not in ("x", "residual"))]
         width = norm.weight.shape[0]
         if failed or any(v is not None for v in rest) or not isinstance(x, torch.Tensor) or not takes(x, width) \
-                or x.shape[0] > producers.FUSED_NORM_MAX_ROWS \
+                or x.shape[0] > producers.FUSED_MAX_ROWS \
                 or not (residual is None or (takes(residual, width) and residual.shape == x.shape)):
             return original(*args, **kwargs)
         try:
@@ -99,7 +99,7 @@ def fused_silu(original: Callable, failed: list[str]) -> Callable:
     def forward(*args: Any, **kwargs: Any) -> Any:
         x = args[0] if len(args) == 1 and not kwargs else None
         if failed or not isinstance(x, torch.Tensor) or x.shape[-1] % (2 * DEFAULT_GROUP_SIZE) \
-                or not takes(x, x.shape[-1]):
+                or not takes(x, x.shape[-1]) or x.shape[0] > producers.FUSED_MAX_ROWS:
             return original(*args, **kwargs)
         try:
             out, codes, scales = producers.silu_mul_quant(x)
