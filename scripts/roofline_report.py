@@ -155,8 +155,17 @@ def _in(value: int, lo: int | None, hi: int | None) -> bool:
     return (lo is None or value >= lo) and (hi is None or value <= hi)
 
 
+def needed_efficiency(tables: dict, cfg: str, key: str, threshold: float) -> float | None:
+    """The efficiency ``cfg``'s step needs at a cell for ``threshold`` x BF16's measured step: its floor over the step
+    BF16's step / threshold. At BF16's own efficiency the speed-up is the ratio of the two floors."""
+    floor = tables.get(cfg, {}).get(key, {}).get("floor_ms")
+    base = tables.get(BASE, {}).get(key, {}).get("step_ms")
+    return threshold * floor / base if floor and base else None
+
+
 def evaluate_targets(tables: dict, ups: dict, meta: dict) -> list[dict]:
-    """Each target over the cells of its range: met (every measured cell passes), missed, or n/a (none measured)."""
+    """Each target over the cells of its range: met (every measured cell passes), missed, or n/a (none measured);
+    a speed-up's cells below it with the efficiency they would need (``needed_efficiency``) and the one they have."""
     out = []
     for cfg, kind, (blo, bhi), (clo, chi), threshold in TARGETS:
         keys = [cell_key(b, c) for b in meta["batch_sizes"] for c in meta["contexts"]
@@ -166,9 +175,11 @@ def evaluate_targets(tables: dict, ups: dict, meta: dict) -> list[dict]:
         measured = {k: v for k, v in values.items() if v is not None}
         below = _by_cell(k for k, v in measured.items() if v < threshold)
         status = "n/a" if not measured else ("missed" if below else "met")
+        needs = {k: [needed_efficiency(tables, cfg, k, threshold), tables.get(cfg, {}).get(k, {}).get("efficiency")]
+                 for k in below} if kind == "speedup" else {}
         out.append({"config": cfg, "kind": kind, "batch": [blo, bhi], "context": [clo, chi], "threshold": threshold,
                     "status": status, "min": min(measured.values()) if measured else None, "values": measured,
-                    "below": below, "not_measured": _by_cell(set(keys) - set(measured))})
+                    "below": below, "not_measured": _by_cell(set(keys) - set(measured)), "needs": needs})
     return out
 
 
@@ -316,6 +327,11 @@ def _speedup_table(report: dict, meta: dict) -> list[str]:
     return lines
 
 
+def _needs(t: dict, key: str) -> str:
+    need, has = t.get("needs", {}).get(key, (None, None))
+    return f" (needs {100 * need:.0f} % efficiency, has {100 * has:.0f} %)" if need and has else ""
+
+
 def _target_line(t: dict) -> str:
     b = t["batch"][0] if t["batch"][0] == t["batch"][1] else f"{t['batch'][0]}-{t['batch'][1]}"
     lo, hi = t["context"]
@@ -326,7 +342,7 @@ def _target_line(t: dict) -> str:
     scale = (lambda v: f"{v:.2f}x") if t["kind"] == "speedup" else (lambda v: f"{100 * v:.0f} %")
     detail = "no cell measured" if t["min"] is None else f"lowest {scale(t['min'])}"
     if t["below"]:
-        detail += "; below: " + ", ".join(f"{_cell_name(k)} {scale(t['values'][k])}" for k in t["below"])
+        detail += "; below: " + ", ".join(f"{_cell_name(k)} {scale(t['values'][k])}{_needs(t, k)}" for k in t["below"])
     if t["not_measured"]:
         detail += "; not measured: " + ", ".join(_cell_name(k) for k in t["not_measured"])
     return f"- {what}, {b} running, {ctx}: **{t['status']}** ({detail})"

@@ -253,7 +253,23 @@ def test_target_status_rules():
     assert got[("fp8_online_blockwise_kv", "speedup", 1.4)]["status"] == "n/a"  # no 128-384 cell in this grid
     fp8 = got[("fp8_online_blockwise", "speedup", 1.3)]
     assert (fp8["status"], fp8["below"], fp8["not_measured"]) == ("missed", ["1x4096"], ["8x4096"])
+    assert fp8["needs"] == {"1x4096": [None, None]}  # no floor or BF16 step in these tables
     assert got[("fp8_online_blockwise_kv", "efficiency", 0.75)]["status"] == "met"
+
+
+def test_a_missed_speedup_says_the_efficiency_it_needs():
+    """BF16 6 ms a step, the FP8 floor 2.7 ms: 1.6x is 3.75 ms, so 72 % of the floor, where the step has 60 %."""
+    meta = {"batch_sizes": [8], "contexts": [4096]}
+    tables = {"bf16": {"8x4096": {"step_ms": 6.0, "floor_ms": 5.1, "efficiency": 0.85}},
+              "fp8_online_blockwise_kv": {"8x4096": {"step_ms": 4.5, "floor_ms": 2.7, "efficiency": 0.6}}}
+    ups = {"8x4096": {"fp8_online_blockwise_kv": 6.0 / 4.5}}
+    first = RP.evaluate_targets(tables, ups, meta)[0]
+    assert first["status"] == "missed"
+    need, has = first["needs"]["8x4096"]
+    assert need == pytest.approx(1.6 * 2.7 / 6.0) and has == 0.6
+    assert RP.needed_efficiency(tables, "fp8_online_blockwise_kv", "8x4096", 6.0 / 4.5) == pytest.approx(0.6)
+    assert "8 x 4k 1.33x (needs 72 % efficiency, has 60 %)" in RP._target_line(first)
+    assert RP.evaluate_targets(tables, ups, meta)[3]["needs"] == {}  # an efficiency target says its own numbers
 
 
 def test_prefill_check_and_breakdown_rows(rebuilt):
