@@ -3,7 +3,7 @@
 # each pinned CPU env and run the tests that touch SGLang's internals there. The full suite runs on the primary
 # release (scripts/cpu_test.sh with no SGLANG_VERSION). Here, in tiers that keep CI inside its 45 minutes:
 # - every release: the plugin and the demo, the version adapters, malformed requests, the step's lifecycle, the
-#   direct DeepGEMM call, the decode-attention dispatcher, and the weight-update sessions of the releases that have
+#   direct DeepGEMM call, the decode-attention dispatcher and its query adapter, and the weight-update sessions of the releases that have
 #   them (skipped on the others) (CORE_TESTS);
 # - the oldest and the newest release also replayed writes against the model's own loaders (the primary release runs
 #   them too, so the loaders of the releases between are bracketed: ENDS_TESTS);
@@ -24,7 +24,7 @@ primary=$(sed -n 's/^SUPPORTED_SGLANG[^(]*("\([^"]*\)".*/\1/p' sglang_fp8rl/comp
 CORE_TESTS=(
   tests/test_plugin.py tests/test_version_matrix.py tests/test_demo_cpu.py tests/test_gpu_flags.py
   tests/test_malformed_updates.py tests/test_step_lifecycle.py
-  tests/test_deepgemm_direct.py tests/test_decode_attention.py
+  tests/test_deepgemm_direct.py tests/test_decode_attention.py tests/test_decode_query.py
   tests/test_sessions.py tests/test_session_client.py tests/test_step_truth.py
 )
 ENDS_TESTS=(tests/test_replayed_writes.py)

@@ -15,7 +15,9 @@ import os
 import re
 from typing import Any, Sequence
 
+from sglang_fp8rl.kernels.attention_select import FA3 as DECODE_ATTENTION_FA3
 from sglang_fp8rl.kernels.attention_select import MODES as DECODE_ATTENTION_MODES
+from sglang_fp8rl.kernels.attention_select import QUERY_MODES as DECODE_QUERY_MODES
 from sglang_fp8rl.kernels.deepgemm import PRECOMPILE_ENV as DEEPGEMM_PRECOMPILE_ENV
 from sglang_fp8rl.kernels.gemm_select import DEFAULT_BUDGET_S as DEFAULT_GEMM_TUNE_BUDGET_S
 from sglang_fp8rl.kernels.gemm_select import GEMM_SELECT_MODES, check_excluded
@@ -47,6 +49,7 @@ class Fp8rlOptions:
     kv_calibration: str = ""
     kv_write: str = "fused"
     decode_attention: str = "auto"
+    decode_query: str = "fp8"
     producer_quant: str = "off"
 
     def __post_init__(self) -> None:
@@ -75,6 +78,11 @@ class Fp8rlOptions:
         if self.decode_attention not in DECODE_ATTENTION_MODES:
             raise ValueError(f"--fp8rl-decode-attention must be one of {DECODE_ATTENTION_MODES}, "
                              f"got {self.decode_attention!r}")
+        if self.decode_query not in DECODE_QUERY_MODES:
+            raise ValueError(f"--fp8rl-decode-query must be one of {DECODE_QUERY_MODES}, got {self.decode_query!r}")
+        if self.decode_query == "bf16" and self.decode_attention == DECODE_ATTENTION_FA3:
+            raise ValueError("--fp8rl-decode-query bf16 is for the split-KV kernel, which --fp8rl-decode-attention "
+                             "fa3 turns off (use auto or split_kv)")
         if self.producer_quant not in PRODUCER_QUANT_MODES:
             raise ValueError(f"--fp8rl-producer-quant must be one of {PRODUCER_QUANT_MODES}, "
                              f"got {self.producer_quant!r}")
@@ -202,7 +210,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "package's split-KV kernel for plain one-token decode calls (FA3 for every other call), fa3 = "
              "FlashAttention-3 for all. split_kv refuses to start where the decode backend is not FA3.",
     )
-
+    group.add_argument(
+        _flag("decode_query"), choices=DECODE_QUERY_MODES, default=d.decode_query,
+        help="The query of decode attention over an FP8 E4M3 KV cache on FA3: fp8 (default) = SGLang casts it to E4M3 "
+             "before every call; bf16 = the split-KV kernel reads it as the model made it (no cast launch a layer, "
+             "no rounding of the query), and the calls that go to FA3 still get the E4M3 query. Needs "
+             "--fp8rl-decode-attention auto or split_kv.",
+    )
     group.add_argument(
         _flag("producer_quant"), choices=PRODUCER_QUANT_MODES, default=d.producer_quant,
         help="on = the RMSNorm before qkv / gate_up and the SiLU-and-multiply before down also write their output's "

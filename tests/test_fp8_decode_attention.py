@@ -114,6 +114,24 @@ BF16_CHECK = PREAMBLE + textwrap.dedent(
     """
 )
 
+# a BF16 query (--fp8rl-decode-query bf16: the query as the model made it, not cast to E4M3 first) is read as such:
+# within the tolerance of the float64 attention of that query, where the E4M3-cast query is far off it
+BF16_QUERY_CHECK = PREAMBLE + textwrap.dedent(
+    """
+    for seed, (batch, kv_heads, group, dim, page, lens) in enumerate([(2, 2, 4, 128, 1, [300, 3]),
+                                                                      (3, 1, 8, 64, 4, [1, 250, 64])]):
+        case = paged_case(seed, batch, kv_heads, group, dim, page, lens)
+        gen = torch.Generator().manual_seed(seed)
+        q = (torch.randn(case["q"].shape, generator=gen) * 2.0).to(torch.bfloat16)
+        bf16 = dict(case, q=q)
+        out = run(bf16, out=torch.empty(q.shape))
+        assert worst_ratio(out, bf16) <= ROW_TOLERANCE, (seed, worst_ratio(out, bf16))
+        cast = run(dict(case, q=q.to(torch.float8_e4m3fn)), out=torch.empty(q.shape))
+        assert worst_ratio(cast, bf16) > 4 * max(worst_ratio(out, bf16), ROW_TOLERANCE / 4), seed
+    print("decode bf16 query ok")
+    """
+)
+
 DETERMINISM_CHECK = PREAMBLE + textwrap.dedent(
     """
     case = paged_case(7, 3, 1, 8, 128, 16, [300, 1, 65])
@@ -198,8 +216,9 @@ OUT_CODES_CHECK = QUANTIZER_PREAMBLE + E4M3_RNE_PREAMBLE + BF16_RNE_PREAMBLE + P
 
 @pytest.mark.parametrize("check, marker", [(PROPERTY_CHECK, "decode property ok"), (BF16_CHECK, "decode bf16 ok"),
                                            (DETERMINISM_CHECK, "decode determinism ok"),
-                                           (OUT_CODES_CHECK, "decode out codes ok")],
-                         ids=["float32-vs-float64-property", "bf16-output", "determinism", "out-codes"])
+                                           (OUT_CODES_CHECK, "decode out codes ok"),
+                                           (BF16_QUERY_CHECK, "decode bf16 query ok")],
+                         ids=["float32-vs-float64-property", "bf16-output", "determinism", "out-codes", "bf16-query"])
 def test_under_the_triton_interpreter(check, marker) -> None:
     result = run_under_interpreter(check)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -7,7 +7,9 @@ graph is captured). Each call is judged by its keywords alone, on the host, so a
 capture chose: a call that is a plain one-token-per-sequence decode over an E4M3 cache with its descales, that the
 split-KV kernel can take, goes to it under ``--fp8rl-decode-attention split_kv``, and under ``auto`` (the default)
 when the batch holds at most ``AUTO_MAX_BATCH`` sequences; every other call, and every call under ``fa3``, goes to
-FA3 unchanged. Each decision is logged once, with its reason.
+FA3 unchanged. Each decision is logged once, with its reason. Under ``--fp8rl-decode-query bf16`` the backend's decode
+hands the query on uncast (compat/fa3_query.py): the kernel reads it so, and the calls that go to FA3 get SGLang's
+E4M3 cast here (:func:`cast_query`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import torch
 
 from sglang_fp8rl.kernels import producers
 from sglang_fp8rl.quant import DEFAULT_GROUP_SIZE
@@ -24,6 +28,10 @@ logger = logging.getLogger(__name__)
 FA3 = "fa3"
 SPLIT_KV = "split_kv"
 MODES = ("auto", FA3, SPLIT_KV)  # --fp8rl-decode-attention
+# --fp8rl-decode-query: fp8 = SGLang casts every decode query to E4M3 before the call; bf16 = decode queries arrive
+# uncast (compat/fa3_query.py), the split-KV kernel reads them so, and the calls that go to FA3 get SGLang's cast here
+QUERY_MODES = ("fp8", "bf16")
+MAX_FP8_HEAD_DIM = 256  # SGLang casts the query to an FP8 cache's dtype for head dims up to this (FA3's FP8 limit)
 # auto takes the split-KV kernel up to this many sequences in a decode batch (the captured batch size), FA3 above.
 # Measured (docs/RESULTS.md sec. 23, 24): in the longer-tailed RL rollout its decode steps at 3-8 running were faster
 # than FA3's (H100, work planned from the lengths: 6.98 / 8.08 ms against 8.60 / 8.67 ms) and slower from 33 on
@@ -121,9 +129,22 @@ def run_split_kv(kwargs: Mapping[str, Any], hand_over: bool = False) -> Any:
     return producers.attach(out, *out_codes) if out_codes is not None else out
 
 
-def dispatching(original: Callable, mode: str, hand_over: bool = False) -> Callable:
+def cast_query(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's keywords with an uncast query cast to the FP8 cache's dtype, as SGLang casts it for FA3 (FA3's FP8
+    path takes an E4M3 query): where the cache is E4M3, the query is not and its head dim is at most 256."""
+    q, cache = kwargs.get("q"), kwargs.get("k_cache")
+    if q is None or cache is None or cache.dtype != torch.float8_e4m3fn or q.dtype == cache.dtype \
+            or q.shape[-1] > MAX_FP8_HEAD_DIM:
+        return kwargs
+    return {**kwargs, "q": q.to(cache.dtype)}
+
+
+def dispatching(original: Callable, mode: str, hand_over: bool = False, query: str = "fp8") -> Callable:
     """``original`` (FA3's ``flash_attn_with_kvcache``) with plain FP8 decode calls sent to the split-KV kernel
-    (``hand_over``: see :func:`run_split_kv`)."""
+    (``hand_over``: see :func:`run_split_kv`; ``query`` "bf16": decode queries arrive uncast, and the calls that go to
+    FA3 are cast here first, see :func:`cast_query`)."""
+    if query not in QUERY_MODES:
+        raise ValueError(f"--fp8rl-decode-query must be one of {QUERY_MODES}, got {query!r}")
     original = original_of(original) or original  # a dispatcher is replaced, never wrapped
     logged: set[tuple[str, str]] = set()
     unbuildable: list[str] = []  # the kernel failed to build here once: FA3 from then on
@@ -149,7 +170,7 @@ def dispatching(original: Callable, mode: str, hand_over: bool = False) -> Calla
             except BUILD_ERRORS as e:  # its outputs are unwritten: FA3 computes this call from the same operands
                 unbuildable.append(f"the split-KV kernel does not build on this GPU: {type(e).__name__}: {e}")
                 logger.warning("[fp8rl] decode attention: FA3 for every call from now on (%s)", unbuildable[0])
-        return original(*args, **kwargs)
+        return original(*args, **(cast_query(kwargs) if query == "bf16" else kwargs))
 
     setattr(flash_attn_with_kvcache, _MARK, original)
     return flash_attn_with_kvcache

@@ -42,6 +42,18 @@ def test_matches_the_float64_reference(batch, kv_heads, group, dim, page, lens):
 
 
 @pytest.mark.parametrize("batch,kv_heads,group,dim,page,lens", CASES)
+def test_a_bf16_query_is_read_as_such(batch, kv_heads, group, dim, page, lens):
+    """--fp8rl-decode-query bf16: within the tolerance of the float64 attention of the BF16 query itself."""
+    case = paged_case(batch, batch, kv_heads, group, dim, page, lens)
+    gen = torch.Generator().manual_seed(batch)
+    case["q"] = (torch.randn(case["q"].shape, generator=gen) * 2.0).to(torch.bfloat16)
+    ref, vmax = reference(case)
+    out = torch.full(ref.shape, float("nan"), device="cuda")
+    run(on_cuda(case), out=out)
+    assert ((out.double().cpu() - ref).abs() <= ROW_TOLERANCE * vmax).all()
+
+
+@pytest.mark.parametrize("batch,kv_heads,group,dim,page,lens", CASES)
 def test_v_widened_on_its_tile_is_as_close_to_the_reference_as_the_default(batch, kv_heads, group, dim, page, lens):
     """V_WIDEN_TILE changes where V is widened (on its tile, through shared memory), not the values the MMA reads; the
     compiled loop adds in another order, so its float32 output differs from the default's by a few ulps (up to
