@@ -17,12 +17,19 @@ import json
 import math
 import os
 
-ARMS = ("fp8", "fp8_kv_static", "fp8_kv_calibrate")
+ARMS = ("fp8", "fp8_kv_static", "fp8_kv_calibrate", "fp8_kv_splitkv", "fp8_kv_splitkv_bf16q")
 POLICIES = ("original", "drifted")
 FP8_KV_DTYPE = "fp8_e4m3"
-ARM_KV_SCALES = {"fp8": None, "fp8_kv_static": "static", "fp8_kv_calibrate": "calibrate"}
+ARM_KV_SCALES = {"fp8": None, "fp8_kv_static": "static", "fp8_kv_calibrate": "calibrate",
+                 "fp8_kv_splitkv": "calibrate", "fp8_kv_splitkv_bf16q": "calibrate"}
+# arms that decode on FlashAttention-3 (it must be installed) with the split-KV kernel at every batch: its query cast
+# to E4M3 as SGLang casts it, or as the model made it (--fp8rl-decode-query bf16); the pair isolates the query's cast
+ARM_DECODE = {"fp8_kv_splitkv": {"decode_attention": "split_kv"},
+              "fp8_kv_splitkv_bf16q": {"decode_attention": "split_kv", "decode_query": "bf16"}}
 ARM_DESC = {"fp8": "FP8 weights, BF16 KV cache", "fp8_kv_static": "FP8 weights + FP8 KV, static scale 1.0",
-            "fp8_kv_calibrate": "FP8 weights + FP8 KV, calibrated scales"}
+            "fp8_kv_calibrate": "FP8 weights + FP8 KV, calibrated scales",
+            "fp8_kv_splitkv": "FP8 weights + FP8 KV, calibrated, FA3 with the split-KV kernel, E4M3 query",
+            "fp8_kv_splitkv_bf16q": "FP8 weights + FP8 KV, calibrated, FA3 with the split-KV kernel, BF16 query"}
 # verdict criteria (printed with the verdicts)
 CLOSE_EM = 0.01  # task exact match within this of the weight-only arm
 CLOSE_TMPE = 0.005  # token_mult_prob_error (engine scoring) at most this above the weight-only arm's
@@ -36,6 +43,8 @@ def arm_engine_kwargs(arm: str, quantization: str) -> dict:
     kwargs = {"quantization": quantization}
     if ARM_KV_SCALES[arm] is not None:
         kwargs["kv_cache_dtype"] = FP8_KV_DTYPE
+    if arm in ARM_DECODE:
+        kwargs["attention_backend"] = "fa3"
     return kwargs
 
 
@@ -44,7 +53,7 @@ def arm_options(arm: str, kv_calibration: str = "") -> dict:
     mode = ARM_KV_SCALES[arm]
     if mode is None:
         return {}
-    opts = {"kv_scales": mode}
+    opts = {"kv_scales": mode, **ARM_DECODE.get(arm, {})}
     if kv_calibration and mode == "calibrate":
         opts["kv_calibration"] = kv_calibration
     return opts

@@ -9,10 +9,12 @@ import kv_measure as KV  # scripts/kv_measure.py: attention backends, the KV fla
 CONFIGS = ["bf16", "fp8_online_blockwise", "block_prequant", "fp8_channel"]
 # opt-in: FP8 KV cache
 KV_CONFIGS = ["fp8_online_blockwise_kv", "fp8_online_blockwise_kv_static", "fp8_online_blockwise_kv_sglang_write",
-              "fp8_online_blockwise_kv_fa3", "fp8_online_blockwise_kv_splitkv", "bf16_kv"]
+              "fp8_online_blockwise_kv_fa3", "fp8_online_blockwise_kv_splitkv", "fp8_online_blockwise_kv_bf16q",
+              "bf16_kv"]
 EXTRA_CONFIGS = ["fp8_online_noselect", *KV_CONFIGS]  # opt-in (--configs)
 _FP8_KV = ["--kv-cache-dtype", "fp8_e4m3"]
 DECODE_ATTENTION_FLAG = "--fp8rl-decode-attention"
+DECODE_QUERY_FLAG = "--fp8rl-decode-query"
 _ONLINE = ["--quantization", "fp8_online_blockwise"]
 
 
@@ -33,6 +35,7 @@ def _base_spec(cfg: str, moe: bool) -> dict:
         "fp8_online_blockwise_kv_sglang_write": (plain, [*_ONLINE, *_FP8_KV, KV.KV_WRITE_FLAG, "sglang"], "0"),
         "fp8_online_blockwise_kv_fa3": (plain, [*_ONLINE, *_FP8_KV, DECODE_ATTENTION_FLAG, "fa3"], "0"),
         "fp8_online_blockwise_kv_splitkv": (plain, [*_ONLINE, *_FP8_KV, DECODE_ATTENTION_FLAG, "split_kv"], "0"),
+        "fp8_online_blockwise_kv_bf16q": (plain, [*_ONLINE, *_FP8_KV, DECODE_QUERY_FLAG, "bf16"], "0"),
         "bf16_kv": (plain, _FP8_KV, "0"),
     }
     if cfg not in specs:

@@ -463,6 +463,15 @@ def test_arm_settings_and_options():
     assert AK.arm_engine_kwargs("fp8_kv_static", "q") == {"quantization": "q", "kv_cache_dtype": "fp8_e4m3"}
     assert AK.arm_options("fp8") == {} and AK.arm_options("fp8_kv_static", "/c.json") == {"kv_scales": "static"}
     assert AK.arm_options("fp8_kv_calibrate", "/c.json") == {"kv_scales": "calibrate", "kv_calibration": "/c.json"}
+    assert AK.arm_engine_kwargs("fp8_kv_splitkv_bf16q", "q") == {"quantization": "q", "kv_cache_dtype": "fp8_e4m3",
+                                                                 "attention_backend": "fa3"}
+    assert AK.arm_options("fp8_kv_splitkv") == {"kv_scales": "calibrate", "decode_attention": "split_kv"}
+    assert AK.arm_options("fp8_kv_splitkv_bf16q") == {"kv_scales": "calibrate", "decode_attention": "split_kv",
+                                                      "decode_query": "bf16"}
+    from sglang_fp8rl.server_args import Fp8rlOptions
+
+    for arm in AK.ARMS:  # every arm's options are valid plugin options
+        Fp8rlOptions(**{k: v for k, v in AK.arm_options(arm, "/c.json").items()})
     assert AK.engine_name("original", "fp8") == "fp8" and AK.engine_name("drifted", "bf16") == "drifted_bf16"
     with pytest.raises(ValueError):
         AK.arm_engine_kwargs("fp8_kv", "q")
