@@ -19,7 +19,7 @@ import torch
 from decode_attention_case import fa3_decode_kwargs, paged_case
 
 from sglang_fp8rl.compat import fa3_query
-from sglang_fp8rl.hooks.attention import install_decode_attention, keep_query
+from sglang_fp8rl.hooks.attention import install_decode_attention, query_form
 from sglang_fp8rl.kernels import attention_select as sel
 from sglang_fp8rl.server_args import Fp8rlOptions, parse_args, set_options
 
@@ -236,13 +236,17 @@ def test_cast_query_casts_only_what_sglang_casts():
         sel.dispatching(Recorder(), "auto", query="e5m2")
 
 
-def test_mla_keeps_sglangs_cast(caplog):
+def test_mla_keeps_sglangs_cast_and_a_kept_query_stays_kept(caplog):
     backend = InlineBackend(Recorder())
     backend.use_mla = True
     with caplog.at_level(logging.INFO, logger="sglang_fp8rl.hooks.attention"):
-        assert keep_query(backend, "bf16") == "fp8"
+        assert query_form(backend, "bf16") == "fp8"
     assert "multi-head latent attention" in caplog.text and not fa3_query.keeps_decode_query(backend)
-    assert keep_query(InlineBackend(Recorder()), "fp8") == "fp8"
+    plain = InlineBackend(Recorder())
+    assert query_form(plain, "fp8") == "fp8" and query_form(plain, "bf16") == "bf16"
+    assert not fa3_query.keeps_decode_query(plain)  # a query: nothing changed
+    fa3_query.keep_decode_query(plain)
+    assert query_form(plain, "fp8") == "bf16"  # its decode no longer casts: a new dispatcher must
 
 
 def test_install_keeps_the_query_where_asked(monkeypatch, caplog):
@@ -252,13 +256,21 @@ def test_install_keeps_the_query_where_asked(monkeypatch, caplog):
     monkeypatch.setitem(__import__("sys").modules, module.__name__, module)
     args = types.SimpleNamespace(quantization="fp8_online_blockwise", kv_cache_dtype="fp8_e4m3")
     for query, kept in (("fp8", False), ("bf16", True)):
-        backend = module.FlashAttentionBackend(None)
+        # it calls the module's function as SGLang's backend does, whichever function is installed there now
+        backend = module.FlashAttentionBackend(lambda **kw: module.flash_attn_with_kvcache(**kw))
         set_options(decode_attention="auto", decode_query=query)
         with caplog.at_level(logging.INFO, logger="sglang_fp8rl.hooks.attention"):
             assert install_decode_attention(types.SimpleNamespace(server_args=args, attn_backend=backend)) == \
                 "installed"
         assert fa3_query.keeps_decode_query(backend) == kept
         assert ("it reads the BF16 query" in caplog.text) == kept
+    # installed again with the default: the backend no longer casts, so the new dispatcher still casts for FA3
+    set_options(decode_attention="auto")
+    assert install_decode_attention(types.SimpleNamespace(server_args=args, attn_backend=backend)) == "installed"
+    q, case = _bf16_query(sel.AUTO_MAX_BATCH + 1)
+    backend.forward_decode(q, None, None, Layer(), case)
+    fa3 = sel.original_of(module.flash_attn_with_kvcache)
+    assert fa3.calls[-1]["q"].dtype == E4M3
     set_options()
 
 

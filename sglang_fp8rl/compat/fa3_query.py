@@ -9,7 +9,7 @@ With an FP8 KV cache the backend casts the query to E4M3 before every FA3 call (
   is_prefill)``, which ``forward_decode`` calls with ``is_prefill=False`` and which also expands the K/V descales.
 
 :func:`keep_decode_query` makes one backend's decode hand the query on as the model made it, on either form;
-tests/test_decode_attention.py reads each supported release's source for the form it has.
+tests/test_decode_query.py reads each supported release's source for the form it has.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from sglang_fp8rl.compat.fa3_query import keep_decode_query, keep_query_blocker
+from sglang_fp8rl.compat.fa3_query import keep_decode_query, keep_query_blocker, keeps_decode_query
 from sglang_fp8rl.compat.runtime import FA3_DECODE_FUNCTION, fa3_kernel_module
 from sglang_fp8rl.hooks import producers
 from sglang_fp8rl.kernels.attention_select import FA3, SPLIT_KV, dispatching
@@ -55,9 +55,12 @@ def install_decode_attention(runner: Any) -> str:
         return "not fa3"
     # the split-KV kernel writes its output's codes for o_proj too where the norms and SiLUs hand theirs over
     hand_over = get_options().producer_quant == "on" and producers.off_reason(runner.server_args) is None
-    query = keep_query(decode_backend(runner.attn_backend), get_options().decode_query)
+    backend = decode_backend(runner.attn_backend)
+    query = query_form(backend, get_options().decode_query)
     # a dispatcher already there (a second install) is replaced, not wrapped: dispatching unwraps it
     setattr(module, FA3_DECODE_FUNCTION, dispatching(getattr(module, FA3_DECODE_FUNCTION), mode, hand_over, query))
+    if query == "bf16":  # only once the dispatcher that casts for FA3 is in place
+        keep_decode_query(backend)
     logger.info("[fp8rl] decode attention: plain FP8-KV decode calls of %s go to the split-KV kernel (%s)%s%s",
                 module.__name__, mode, "; its output's 1x128 codes go to o_proj (--fp8rl-producer-quant on)"
                 if hand_over else "", "; it reads the BF16 query, FA3's calls get it in E4M3 (--fp8rl-decode-query "
@@ -65,13 +68,15 @@ def install_decode_attention(runner: Any) -> str:
     return "installed"
 
 
-def keep_query(backend: Any, query: str) -> str:
-    """The query form the dispatcher will see: "bf16" once ``backend``'s decode hands the query on uncast."""
-    if query != "bf16":
-        return query
+def query_form(backend: Any, asked: str) -> str:
+    """The query the dispatcher will see from ``backend``'s decode: "bf16" (uncast) where asked and possible, or
+    where an earlier install already made it so; else "fp8" (SGLang's cast), with one log line saying why."""
+    if keeps_decode_query(backend):
+        return "bf16"
+    if asked != "bf16":
+        return asked
     reason = keep_query_blocker(backend)
     if reason:
         logger.info("[fp8rl] decode attention: the query stays SGLang's E4M3 cast (%s)", reason)
         return "fp8"
-    keep_decode_query(backend)
-    return query
+    return asked

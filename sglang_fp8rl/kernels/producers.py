@@ -69,7 +69,7 @@ _TAKEN: list[bool] = []
 # The fused norm and SiLU are taken for batches of at most this many rows; larger ones run SGLang's kernels and their
 # linears quantize as before. On an H100 the fused norm beat SGLang's norm + quantizer by 1.1-1.3 us at 1-64 rows and
 # lost 0.9 us at 384 (docs/RESULTS.md sec. 35a); with the norm limited, the served FP8 + FP8 KV step was still 1.2 %
-# slower with the fused SiLU alone at 128 x 1k, 128 x 4k and 384 x 1k, and 0.3-3.2 % faster at 1-32 rows (sec. 36b)
+# slower with the fused SiLU alone at 128 x 1k, 128 x 4k and 384 x 1k, and 0.1-3.2 % faster at 1-32 rows (sec. 36)
 FUSED_MAX_ROWS = 64
 
 
