@@ -12,8 +12,10 @@ set -euo pipefail
 cmd=${1:?save|restore}; dir=${2:?folder}
 PART=15000000
 MAX_PARTS=${JIT_CACHE_MAX_PARTS:-3}
-# the compilation caches device_env.sh and SGLang set: Triton's under /tmp, DeepGEMM's and tvm-ffi's under ~/.cache
-CACHES=("${TRITON_CACHE_DIR:-/tmp/triton_cache}" "$HOME/.cache/deep_gemm" "$HOME/.cache/tvm-ffi")
+# the compilation caches device_env.sh and SGLang set: Triton's under /tmp, DeepGEMM's where the benchmarks put it
+# (SGLANG_DG_CACHE_DIR=/tmp/dg_cache: bench_rollout.py, decode_roofline.py) or SGLang's default under ~/.cache, tvm-ffi's
+CACHES=("${TRITON_CACHE_DIR:-/tmp/triton_cache}" "${SGLANG_DG_CACHE_DIR:-/tmp/dg_cache}" "$HOME/.cache/deep_gemm"
+        "$HOME/.cache/tvm-ffi")
 case $cmd in
 save)
   have=(); for c in "${CACHES[@]}"; do [ -d "$c" ] && have+=("${c#/}"); done
