@@ -60,6 +60,19 @@ def _casts_only(fn: ast.FunctionDef) -> None:
                and _is_cast_of(n.value, {"q"}) for n in ast.walk(fn))
 
 
+def _functions_given_q(fn: ast.FunctionDef) -> set[str]:
+    """Names of the functions called with ``q`` in an argument, outside the ``else`` of ``if not self.use_mla``."""
+    mla = [n.orelse for n in ast.walk(fn) if isinstance(n, ast.If) and ast.unparse(n.test) == "not self.use_mla"]
+    skip = {id(node) for branch in mla for stmt in branch for node in ast.walk(stmt)}
+    names = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and id(node) not in skip and not _is_cast_of(node, {"q"}) and any(
+                isinstance(n, ast.Name) and n.id == "q" for a in [*node.args, *(k.value for k in node.keywords)]
+                for n in ast.walk(a)):
+            names.add(ast.unparse(node.func).removeprefix("self."))
+    return names
+
+
 def test_the_installed_release_casts_the_decode_query_in_the_form_the_adapter_knows():
     cls = _backend_class_source()
     decode = _method(cls, "forward_decode")
@@ -84,6 +97,9 @@ def test_the_installed_release_casts_the_decode_query_in_the_form_the_adapter_kn
         assert not _reads_of_cache_dtype(decode)  # forward_decode itself does not read it
     else:  # 0.5.12-0.5.17: inline, the only reads of the attribute in forward_decode
         _casts_only(decode)
+    # outside the MLA branch (which this option leaves alone) the query reaches nothing but FA3's function, the cast
+    # and prepare_paged_mha_query: nothing else sees it uncast
+    assert _functions_given_q(decode) <= {"flash_attn_with_kvcache", fa3_query.QUERY_METHOD}, _functions_given_q(decode)
     # the dispatcher casts for FA3 from the keywords: every FA3 call of forward_decode passes the query by keyword
     fa3_calls = [n for n in ast.walk(decode) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                  and n.func.id == "flash_attn_with_kvcache"]
