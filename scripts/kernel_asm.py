@@ -33,7 +33,7 @@ _POINTER_TYPES = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv",
 
 @functools.cache  # a compile takes seconds: once per configuration and process
 def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, group: int = 4,
-                         v_widen_tile: bool = False, pdl: bool = False) -> dict:
+                         v_widen_tile: bool = False, pdl: bool = False, single: bool = False) -> dict:
     """The split kernel's sm90 TTGIR, PTX, cubin and shared memory, as the default served call specializes it."""
     import inspect
 
@@ -46,8 +46,8 @@ def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, gr
     kernel = FDA._decode_attn_split_kernel
     names = list(inspect.signature(kernel.fn).parameters)
     constexprs = dict(PAGE_SIZE=1, GROUP=group, BLOCK_H=max(FDA.MIN_BLOCK_H, group), HEAD_DIM=128, BLOCK_N=block_n,
-                      BLOCK_B=8, MAX_SPLITS=FDA.MAX_SPLITS, FINE=FDA.FINE, PREPLAN=True, V_WIDEN_TILE=v_widen_tile,
-                      PDL=pdl)
+                      BLOCK_B=1 if single else 8, MAX_SPLITS=FDA.MAX_SPLITS, FINE=FDA.FINE, PREPLAN=not single,
+                      V_WIDEN_TILE=v_widen_tile, PDL=pdl, SINGLE=single)
     signature = {}
     for name in names:
         if name in constexprs:

@@ -114,6 +114,37 @@ BF16_CHECK = PREAMBLE + textwrap.dedent(
     """
 )
 
+# single_plan: one sequence planned in closed form inside both kernels (no plan launch) gives the default's bits, with
+# and without the output codes, at lengths around the tile and split edges and budgets that idle most programs; a batch
+# of two is left to the default plan
+SINGLE_PLAN_CHECK = PREAMBLE + textwrap.dedent(
+    """
+    from sglang_fp8rl.kernels.norm_quant import empty_scales
+
+    for seed, (dim, page, length, budget, block_n) in enumerate([(128, 1, 300, None, 128), (64, 16, 1, 64, 32),
+                                                                  (128, 4, 129, 7, 32), (64, 1, 250, 3, 64)]):
+        case = paged_case(seed, 1, 2, 4, dim, page, [length], scalar_descale=seed % 2 == 0)
+        for kw in (dict(budget=budget, block_n=block_n), dict(budget=budget, block_n=block_n, preplan=False)):
+            assert torch.equal(run(case, single_plan=True, **kw), run(case, **kw)), (seed, kw)
+        if dim == 128:
+            codes = [(torch.zeros(1, 8 * 128).to(torch.float8_e4m3fn), empty_scales(1, 8 * 128, torch.device("cpu"),
+                                                                                     "row")) for _ in range(2)]
+            outs = [run(case, single_plan=flag, out_codes=c, budget=budget) for flag, c in zip((True, False), codes)]
+            assert torch.equal(outs[0], outs[1]) and torch.equal(codes[0][1], codes[1][1]), seed
+            assert torch.equal(codes[0][0].view(torch.uint8), codes[1][0].view(torch.uint8)), seed
+    two = paged_case(9, 2, 2, 4, 64, 1, [300, 3])
+    assert torch.equal(run(two, single_plan=True, budget=5), run(two, budget=5))
+    for bad in ("yes", 1):
+        try:
+            run(two, single_plan=bad)
+        except ValueError as e:
+            assert "single_plan must be a bool" in str(e), e
+        else:
+            raise AssertionError(f"single_plan={bad!r} accepted")
+    print("decode single plan ok")
+    """
+)
+
 # a BF16 query (--fp8rl-decode-query bf16: the query as the model made it, not cast to E4M3 first) is read as such:
 # within the tolerance of the float64 attention of that query, where the E4M3-cast query is far off it
 BF16_QUERY_CHECK = PREAMBLE + textwrap.dedent(
@@ -217,8 +248,10 @@ OUT_CODES_CHECK = QUANTIZER_PREAMBLE + E4M3_RNE_PREAMBLE + BF16_RNE_PREAMBLE + P
 @pytest.mark.parametrize("check, marker", [(PROPERTY_CHECK, "decode property ok"), (BF16_CHECK, "decode bf16 ok"),
                                            (DETERMINISM_CHECK, "decode determinism ok"),
                                            (OUT_CODES_CHECK, "decode out codes ok"),
-                                           (BF16_QUERY_CHECK, "decode bf16 query ok")],
-                         ids=["float32-vs-float64-property", "bf16-output", "determinism", "out-codes", "bf16-query"])
+                                           (BF16_QUERY_CHECK, "decode bf16 query ok"),
+                                           (SINGLE_PLAN_CHECK, "decode single plan ok")],
+                         ids=["float32-vs-float64-property", "bf16-output", "determinism", "out-codes", "bf16-query",
+                              "single-plan"])
 def test_under_the_triton_interpreter(check, marker) -> None:
     result = run_under_interpreter(check)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -339,6 +372,20 @@ def test_the_plan_fits_one_wave_or_shares_finely_within_the_grid(lens, budget, b
                   if sum(max(1, -(-t // p)) for t in tiles) <= budget), None)
     if share is not None and not capped:
         assert sum(splits) <= budget and max(per_split) <= share, (splits, share)
+
+
+@settings(max_examples=300, deadline=None)
+@given(length=st.integers(0, 1 << 21), budget=st.integers(1, 400), block_n=st.sampled_from([4, 32, 64, 128]),
+       fine=st.sampled_from([fda.FINE, 1, 2]))
+@example(length=0, budget=33, block_n=128, fine=3)
+@example(length=1 << 20, budget=1000, block_n=128, fine=3)  # more splits than MAX_SPLITS
+def test_one_sequences_plan_in_closed_form_is_plan_splits(length, budget, block_n, fine) -> None:
+    """single_plan's closed form (``_single_plan``: the even share of the tiles a program) is the general plan's
+    answer for a batch of one, at any length, budget, tile and FINE: the same splits, so the same bits."""
+    tiles = -(-length // block_n)
+    per_program = max(-(-tiles // budget), 1)
+    closed = min(max(-(-tiles // per_program), 1), fda.MAX_SPLITS)
+    assert fda.plan_splits([length], budget, block_n, fine) == [closed]
 
 
 def test_plan_examples() -> None:

@@ -131,6 +131,19 @@ def test_split_kv_attention_as_a_dependent_launch_waits_first_and_lets_the_merge
     assert ptx.rindex("st.global") < trigger
 
 
+def test_one_sequence_planned_in_the_kernel_compiles_and_waits_before_it_reads():
+    """single_plan: the batch-1 split kernel computes its splits from the length it loads, after griddepcontrol.wait,
+    with the served form's pipelined, vectorized loop."""
+    import kernel_asm
+
+    asm = kernel_asm.compile_split_kernel(single=True, pdl=True)
+    ptx = asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global" not in ptx[:wait] and "cp.async" not in ptx[:wait]
+    rep = kernel_asm.report(asm, warps=4, block_n=128)
+    assert rep["byte_global_loads"] == 0 and "cp.async.cg.shared.global" in ptx
+
+
 def test_v_widened_on_its_tile_takes_no_byte_loads_and_fewer_instructions():
     """fp8_decode_attention's V_WIDEN_TILE form: V widened on its loaded tile (an opaque cvt.rn.f16x2.e4m3x2), so the
     MMA reads FP16 from shared memory and the loop has no LDS.U8 and about a third fewer instructions than the default

@@ -16,6 +16,8 @@ to FA3 (a [1] tensor expanded to [batch, kv_heads]). Per cell (running batch x c
   split_kv_plain / split_kv_pdl  with --pdl: the default with its three launches in the other form, plain where
               the default is programmatic dependent launches (fp8_decode_attention.PDL, on), else dependent (the
               graph's copies run back to back, so each call's launch overlaps the one before), and its bits
+  split_kv_single  with --single-plan, at one sequence: the default planning in closed form inside its two kernels,
+              without the plan launch (fp8_decode_attention.SINGLE_PLAN), and its bits
 
 A cell's contexts are all equal, or ragged ("r" cells): lognormal (sigma 1, as an RL batch's contexts spread) with
 the cell's context as their mean, each between 64 tokens and 8x the mean, the same draw for every kernel.
@@ -27,7 +29,7 @@ run as the roofline measures it (scripts/decode_roofline.py: 1 GiB, read + write
 Accuracy: each kernel's output against a float64 reference computed from the same E4M3 query and cache.
 
   python scripts/gpu/bench_decode_attention.py --out /tmp/attn [--quick] [--deadline-s 400] [--flashinfer]
-      [--v-widen-tile] [--pdl]
+      [--v-widen-tile] [--pdl] [--single-plan]
 """
 from __future__ import annotations
 
@@ -155,11 +157,13 @@ def fa3_calls(cell: Cell, fp8: bool):
 
 # optional kernels of a row (options --flashinfer, --v-widen-tile) and their column names
 OPTIONAL_KERNELS = {"fi_fp8": "FlashInfer FP8", "split_kv_vtile": "split-KV, V widened on its tile",
-                    "split_kv_pdl": "split-KV, dependent launches", "split_kv_plain": "split-KV, plain launches"}
+                    "split_kv_pdl": "split-KV, dependent launches", "split_kv_plain": "split-KV, plain launches",
+                    "split_kv_single": "split-KV, one sequence planned in the kernels"}
 # the split-KV kernel's optional forms: (column, option, the keywords that make it): V widened on its tile, and the
 # launch form the default does not use (dependent launches are the default on Hopper since docs/RESULTS.md 35d)
 SPLIT_KV_FORMS = (("split_kv_vtile", "v_widen_tile", {"v_widen_tile": True}),
-                  ("split_kv_plain" if FDA.PDL else "split_kv_pdl", "pdl", {"pdl": not FDA.PDL}))
+                  ("split_kv_plain" if FDA.PDL else "split_kv_pdl", "pdl", {"pdl": not FDA.PDL}),
+                  ("split_kv_single", "single_plan", {"single_plan": True}))
 FI_WORKSPACE_BYTES = 256 << 20  # SGLang's flashinfer backend allocates this much float workspace (its default)
 
 
@@ -191,8 +195,8 @@ def fi_calls(cell: Cell):
 def split_kv_call(cell: Cell, cfg: dict, sms: int):
     """The kernel's call on a cell with ``cfg``'s variant, its work budget and its plan's largest split count."""
     budget = FDA.work_budget(KV_HEADS, sms, cfg.get("per_sm", FDA.RESIDENT_PER_SM))
-    kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "fine", "preplan", "v_widen_tile", "pdl")
-          if k in cfg}
+    kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "fine", "preplan", "v_widen_tile", "pdl",
+                              "single_plan") if k in cfg}
     splits = max(FDA.plan_splits(cell.lengths, budget, kw.get("block_n", FDA.DEFAULT_BLOCK_N),
                                  kw.get("fine", FDA.FINE)))
 
@@ -223,7 +227,7 @@ def variants(sweep: dict) -> list[dict]:
 
 
 def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float, flashinfer: bool = False,
-             v_widen_tile: bool = False, pdl: bool = False) -> dict:
+             v_widen_tile: bool = False, pdl: bool = False, single_plan: bool = False) -> dict:
     ref = cell.reference()
     row = {"batch": cell.batch, "context": cell.context, "ragged": cell.ragged, "max_context": max(cell.lengths),
            "copies": cell.copies, "kernels": {}, "sweep": []}
@@ -251,7 +255,8 @@ def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float, flas
     default_out = default_call(0)
     row["kernels"]["split_kv"] = {"us": us, **plan, "gbps": nbytes / us / 1e3,
                                   "of_copy_bw": nbytes / us / 1e3 / bw, "error": error_vs(ref, default_out)}
-    wanted = {"v_widen_tile": v_widen_tile, "pdl": pdl}
+    # the closed-form plan is a form of batches of one only
+    wanted = {"v_widen_tile": v_widen_tile, "pdl": pdl, "single_plan": single_plan and cell.batch == 1}
     for column, option, keywords in SPLIT_KV_FORMS:  # the default with one change; whether its bits are the default's
         if not wanted[option]:
             continue
@@ -342,6 +347,9 @@ def main() -> int:
     p.add_argument("--pdl", action="store_true",
                    help="also the split-KV kernel with its launches in the form the default does not use (plain or "
                    "programmatic dependent launches, fp8_decode_attention.PDL)")
+    p.add_argument("--single-plan", action="store_true",
+                   help="also, at one sequence, the split-KV kernel planning in closed form inside its two kernels, "
+                   "without the plan launch (fp8_decode_attention.SINGLE_PLAN)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -366,7 +374,8 @@ def main() -> int:
         cell_deadline = t0 + args.deadline_s * (i + 1) / len(cells)
         cell = Cell(batch, context, dev, bf16=True, ragged=ragged)
         result["cells"].append(run_cell(cell, sweep, props.multi_processor_count, bw, cell_deadline,
-                                        flashinfer=args.flashinfer, v_widen_tile=args.v_widen_tile, pdl=args.pdl))
+                                        flashinfer=args.flashinfer, v_widen_tile=args.v_widen_tile, pdl=args.pdl,
+                                        single_plan=args.single_plan))
         del cell
         torch.cuda.empty_cache()
         print(report(result).splitlines()[-1], flush=True)

@@ -19,7 +19,8 @@ TB/s (docs/RESULTS.md sec. 21a), so half the bytes bought 1.1-1.3x. This kernel 
   (``grid_programs``), so a CUDA graph captured at one context replays at any lengths;
 * a second launch merges each sequence's splits by their log-sum-exp, in split order (deterministic);
 * a first, small launch writes the plan (``_decode_attn_plan_kernel``) and both kernels read their part of it:
-  three loads a program (``preplan``, the default since the H200 sweep of docs/RESULTS.md sec. 26a).
+  three loads a program (``preplan``, the default since the H200 sweep of docs/RESULTS.md sec. 26a); a batch of one
+  can instead plan in closed form inside both kernels (``single_plan``, ``SINGLE_PLAN``, off until measured);
   ``preplan=False`` computes the plan in every program of both launches instead (the same plan, so the same bits):
   the benchmark's baseline. In a served step the plan launch costs 2.6 us a layer (sec. 27b).
 
@@ -83,6 +84,10 @@ V_WIDEN_TILE = False
 # H100, 1.6-2.7 us less a call than plain launches at 1-128 sequences, the same bits (scripts/gpu/
 # bench_decode_attention.py --pdl: calls back to back in a CUDA graph; docs/RESULTS.md sec. 35d)
 PDL = True
+# a batch of one sequence (the tail of a rollout, its batch-1 graph) plans its splits in closed form inside both
+# kernels, so no plan launch runs before them (``_single_plan``: the plan of ``_plan`` for one length, the same bits).
+# Off until measured on a GPU (scripts/gpu/bench_decode_attention.py --single-plan compares it with the default)
+SINGLE_PLAN = False
 # what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
 # caller may run another kernel instead; a kernel that compiled never raises these
 BUILD_ERRORS = (CompilationError, OutOfResources)
@@ -109,6 +114,15 @@ def _plan(seqlens_ptr, batch, budget, BLOCK_B: tl.constexpr, BLOCK_N: tl.constex
     per_program = tl.where(3 * lo <= 4 * even, lo, tl.maximum(tl.cdiv(even, FINE), 1))
     splits = tl.where(in_batch, tl.minimum(tl.maximum(tl.cdiv(tiles, per_program), 1), MAX_SPLITS), 0)
     return offs_b, tiles, splits, tl.cumsum(splits, 0)
+
+
+@triton.jit
+def _single_plan(seqlens_ptr, budget, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """One sequence's (tiles, splits): ``_plan`` for a batch of one, whose binary search ends at its start, the even
+    share of the tiles (with it the splits fit one wave)."""
+    tiles = tl.cdiv(tl.load(seqlens_ptr), BLOCK_N)
+    per_program = tl.maximum(tl.cdiv(tiles, budget), 1)
+    return tiles, tl.minimum(tl.maximum(tl.cdiv(tiles, per_program), 1), MAX_SPLITS)
 
 
 @triton.jit
@@ -167,12 +181,20 @@ def _decode_attn_split_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
     PREPLAN: tl.constexpr, V_WIDEN_TILE: tl.constexpr = False, PDL: tl.constexpr = False,
+    SINGLE: tl.constexpr = False,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     if PDL:
         gdc_wait()  # the plan, the query and the cache are written by the kernels before this one
-    if PREPLAN:  # the plan kernel's descriptors: three loads instead of the plan
+    if SINGLE:  # one sequence: its plan in closed form, no plan launch
+        tiles, splits = _single_plan(seqlens_ptr, budget, BLOCK_N, MAX_SPLITS)
+        if program >= splits:
+            return
+        seq = program * 0
+        split = program
+        tiles_per_split = tl.cdiv(tiles, splits)
+    elif PREPLAN:  # the plan kernel's descriptors: three loads instead of the plan
         seq = tl.load(plan_ptr + program)
         if seq >= batch:
             return  # no work in this step's plan
@@ -240,13 +262,16 @@ def _decode_attn_merge_kernel(seqlens_ptr, part_o_ptr, part_lse_ptr, out_ptr, st
                               BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
                               SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, PREPLAN: tl.constexpr,
                               FP8_MAX: tl.constexpr, AMAX_FLOOR_BITS: tl.constexpr, PDL: tl.constexpr = False,
-                              QUANT_OUT: tl.constexpr = False):
+                              QUANT_OUT: tl.constexpr = False, SINGLE: tl.constexpr = False):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     if PDL:
         gdc_wait()  # the split kernel's partial results
         gdc_launch_dependents()
-    if PREPLAN:
+    if SINGLE:
+        first = seq * 0
+        my_splits = _single_plan(seqlens_ptr, budget, BLOCK_N, MAX_SPLITS)[1]
+    elif PREPLAN:
         first = tl.load(plan_ptr + 3 * programs + seq)
         my_splits = tl.load(plan_ptr + 3 * programs + batch + seq)
     else:
@@ -292,6 +317,7 @@ def fp8_decode_attention(
     v_widen_tile: bool = V_WIDEN_TILE,
     pdl: bool = PDL,
     out_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    single_plan: bool = SINGLE_PLAN,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V per sequence and query head, K/V read from the FP8 cache: see the module docstring.
 
@@ -304,14 +330,16 @@ def fp8_decode_attention(
     widened on its tile (``V_WIDEN_TILE``; the same values reach the MMA, added in another order); ``pdl``: the three
     launches as programmatic dependent launches where the GPU has them (``PDL``; the same bits); ``out_codes``:
     (codes [B, H * D] e4m3, multipliers [B, H] float32, any strides) to write the output's 1x128 quantization into
-    as well (D 128 only: one head a group), ``quant.quantize_activation_groups`` of the BF16 output bit for bit.
-    Returns ``out`` (or a new tensor) [B, H, D] in BF16."""
+    as well (D 128 only: one head a group), ``quant.quantize_activation_groups`` of the BF16 output bit for bit;
+    ``single_plan``: a batch of one plans in closed form inside both kernels, without the plan launch (the same
+    bits). Returns ``out`` (or a new tensor) [B, H, D] in BF16."""
     reason = cannot_run(q, k_cache, v_cache, page_table, cache_seqlens)
     if reason:
         raise ValueError(f"fp8_decode_attention: {reason}")
     if not isinstance(fine, int) or fine < 1:
         raise ValueError(f"fp8_decode_attention: fine must be an int >= 1, got {fine!r}")
-    for name, flag in (("preplan", preplan), ("v_widen_tile", v_widen_tile), ("pdl", pdl)):
+    for name, flag in (("preplan", preplan), ("v_widen_tile", v_widen_tile), ("pdl", pdl),
+                       ("single_plan", single_plan)):
         if not isinstance(flag, bool):
             raise ValueError(f"fp8_decode_attention: {name} must be a bool, got {flag!r}")
     batch, heads, dim = q.shape
@@ -332,6 +360,8 @@ def fp8_decode_attention(
     part_lse = torch.empty(programs * heads, dtype=torch.float32, device=q.device)
     plan = dict(BLOCK_B=triton.next_power_of_2(batch), BLOCK_N=block_n, MAX_SPLITS=MAX_SPLITS, FINE=fine)
     pdl = pdl and pdl_capable(q.device)
+    single = single_plan and batch == 1
+    preplan = preplan and not single
     # without preplan the kernels never read plan_ptr: any int32 tensor will do, nothing is allocated
     plan_buf = torch.empty(3 * programs + 2 * batch, dtype=torch.int32, device=q.device) if preplan else cache_seqlens
     if preplan:
@@ -346,7 +376,7 @@ def fp8_decode_attention(
         float(softmax_scale) * LOG2E, heads, batch, budget, plan_buf, programs,
         PAGE_SIZE=page_size, GROUP=group, BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), HEAD_DIM=dim,
         num_warps=num_warps, num_stages=num_stages, PREPLAN=preplan, V_WIDEN_TILE=v_widen_tile and not INTERPRETED,
-        PDL=pdl, launch_pdl=pdl, **plan,
+        PDL=pdl, launch_pdl=pdl, SINGLE=single, **plan,
     )
     out3 = out.view(batch, heads, dim)
     codes, scales = out_codes if out_codes is not None else (out3, part_lse)  # not written without QUANT_OUT
@@ -355,6 +385,6 @@ def fp8_decode_attention(
         codes, scales, codes.stride(0), scales.stride(0), scales.stride(-1),
         SPLITS_P2=triton.next_power_of_2(min(MAX_SPLITS, fine * budget)), HEAD_DIM=dim, num_warps=4, PREPLAN=preplan,
         FP8_MAX=FP8_MAX, AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, PDL=pdl, launch_pdl=pdl, QUANT_OUT=out_codes is not None,
-        **plan,
+        SINGLE=single, **plan,
     )
     return out

@@ -41,6 +41,21 @@ def test_matches_the_float64_reference(batch, kv_heads, group, dim, page, lens):
     assert torch.equal(out16, run(gpu)), "not deterministic"
 
 
+@pytest.mark.parametrize("length", [1, 129, 4096, 12288])
+def test_one_sequence_planned_in_the_kernels_gives_the_default_bits(length):
+    """single_plan at batch 1 (no plan launch): the default's output bit for bit, eager and in a replayed graph."""
+    case = on_cuda(paged_case(length, 1, 8, 4, 128, 1, [length]))
+    assert torch.equal(run(case, single_plan=True), run(case))
+    out = torch.empty(1, 32, 128, dtype=torch.bfloat16, device="cuda")
+    run(case, out=out, single_plan=True)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(case, out=out, single_plan=True)
+    case["cache_seqlens"].fill_(max(1, length // 2))  # the graph replays at another length
+    graph.replay()
+    assert torch.equal(out, run(case))
+
+
 @pytest.mark.parametrize("batch,kv_heads,group,dim,page,lens", CASES)
 def test_a_bf16_query_is_read_as_such(batch, kv_heads, group, dim, page, lens):
     """--fp8rl-decode-query bf16: within the tolerance of the float64 attention of the BF16 query itself."""
