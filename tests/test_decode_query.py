@@ -290,6 +290,21 @@ def test_install_keeps_the_query_where_asked(monkeypatch, caplog):
     set_options()
 
 
+def test_a_query_option_that_cannot_apply_says_so(caplog):
+    set_options(decode_attention="auto", decode_query="bf16")
+    untouched = types.SimpleNamespace(quantization="fp8_online_blockwise", kv_cache_dtype="auto")
+    triton = type("TritonAttnBackend", (), {})()
+    with caplog.at_level(logging.INFO, logger="sglang_fp8rl.hooks.attention"):
+        assert install_decode_attention(types.SimpleNamespace(server_args=untouched, attn_backend=triton)) == \
+            "untouched"
+        served = types.SimpleNamespace(quantization="fp8_online_blockwise", kv_cache_dtype="fp8_e4m3")
+        assert install_decode_attention(types.SimpleNamespace(server_args=served, attn_backend=triton)) == "not fa3"
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("--fp8rl-decode-query bf16 changes nothing here (the KV cache is not fp8_e4m3)" in m for m in lines)
+    assert any("TritonAttnBackend's own" in m and "--fp8rl-decode-query bf16 changes nothing" in m for m in lines)
+    set_options()
+
+
 def test_the_option():
     assert parse_args([]).decode_query == "fp8" == Fp8rlOptions().decode_query
     assert parse_args(["--fp8rl-decode-query", "bf16"]).decode_query == "bf16"

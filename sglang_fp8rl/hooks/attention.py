@@ -44,6 +44,9 @@ def install_decode_attention(runner: Any) -> str:
     Raises ValueError when ``--fp8rl-decode-attention split_kv`` was asked for where it cannot apply."""
     mode = get_options().decode_attention
     if mode == FA3 or not_served_here(runner.server_args):
+        if get_options().decode_query == "bf16":  # a query option that cannot apply says so (fa3 is refused earlier)
+            logger.info("[fp8rl] decode attention: --fp8rl-decode-query bf16 changes nothing here (%s)",
+                        not_served_here(runner.server_args))
         return "untouched"
     module = fa3_module(runner.attn_backend)
     if module is None:
@@ -51,7 +54,8 @@ def install_decode_attention(runner: Any) -> str:
         if mode == SPLIT_KV:
             raise ValueError(f"--fp8rl-decode-attention split_kv: the decode attention backend is {name}, not "
                              "FlashAttention-3 (--attention-backend fa3, or --decode-attention-backend fa3)")
-        logger.info("[fp8rl] decode attention: %s's own (the split-KV kernel replaces FlashAttention-3 only)", name)
+        logger.info("[fp8rl] decode attention: %s's own (the split-KV kernel replaces FlashAttention-3 only%s)", name,
+                    "; --fp8rl-decode-query bf16 changes nothing" if get_options().decode_query == "bf16" else "")
         return "not fa3"
     # the split-KV kernel writes its output's codes for o_proj too where the norms and SiLUs hand theirs over
     hand_over = get_options().producer_quant == "on" and producers.off_reason(runner.server_args) is None
