@@ -15,6 +15,7 @@ import os
 import re
 from typing import Any, Sequence
 
+from sglang_fp8rl.kernels.attention_select import CAST_QUERY, UNCAST_QUERY
 from sglang_fp8rl.kernels.attention_select import FA3 as DECODE_ATTENTION_FA3
 from sglang_fp8rl.kernels.attention_select import MODES as DECODE_ATTENTION_MODES
 from sglang_fp8rl.kernels.attention_select import QUERY_MODES as DECODE_QUERY_MODES
@@ -49,7 +50,7 @@ class Fp8rlOptions:
     kv_calibration: str = ""
     kv_write: str = "fused"
     decode_attention: str = "auto"
-    decode_query: str = "fp8"
+    decode_query: str = CAST_QUERY
     producer_quant: str = "off"
 
     def __post_init__(self) -> None:
@@ -80,7 +81,7 @@ class Fp8rlOptions:
                              f"got {self.decode_attention!r}")
         if self.decode_query not in DECODE_QUERY_MODES:
             raise ValueError(f"--fp8rl-decode-query must be one of {DECODE_QUERY_MODES}, got {self.decode_query!r}")
-        if self.decode_query == "bf16" and self.decode_attention == DECODE_ATTENTION_FA3:
+        if self.decode_query == UNCAST_QUERY and self.decode_attention == DECODE_ATTENTION_FA3:
             raise ValueError("--fp8rl-decode-query bf16 is for the split-KV kernel, which --fp8rl-decode-attention "
                              "fa3 turns off (use auto or split_kv)")
         if self.producer_quant not in PRODUCER_QUANT_MODES:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from sglang_fp8rl.compat.fa3_query import keep_decode_query, keep_query_blocker, keeps_decode_query
 from sglang_fp8rl.compat.runtime import FA3_DECODE_FUNCTION, fa3_kernel_module
 from sglang_fp8rl.hooks import producers
-from sglang_fp8rl.kernels.attention_select import FA3, SPLIT_KV, dispatching
+from sglang_fp8rl.kernels.attention_select import CAST_QUERY, FA3, SPLIT_KV, UNCAST_QUERY, dispatching
 from sglang_fp8rl.kv_scales.decode_fold import decode_backend
 from sglang_fp8rl.server_args import QUANTIZATION_NAME, get_options
 
@@ -42,11 +42,12 @@ def install_decode_attention(runner: Any) -> str:
     """Send the FA3 backend's plain FP8 decode calls to the split-KV kernel, per the option; returns what was done.
 
     Raises ValueError when ``--fp8rl-decode-attention split_kv`` was asked for where it cannot apply."""
-    mode = get_options().decode_attention
-    if mode == FA3 or not_served_here(runner.server_args):
-        if get_options().decode_query == "bf16":  # a query option that cannot apply says so (fa3 is refused earlier)
-            logger.info("[fp8rl] decode attention: --fp8rl-decode-query bf16 changes nothing here (%s)",
-                        not_served_here(runner.server_args))
+    options = get_options()
+    mode, uncast = options.decode_attention, options.decode_query == UNCAST_QUERY
+    unserved = not_served_here(runner.server_args)
+    if mode == FA3 or unserved:
+        if uncast:  # a query option that cannot apply says so (with fa3 it is refused earlier)
+            logger.info("[fp8rl] decode attention: --fp8rl-decode-query bf16 changes nothing here (%s)", unserved)
         return "untouched"
     module = fa3_module(runner.attn_backend)
     if module is None:
@@ -55,32 +56,32 @@ def install_decode_attention(runner: Any) -> str:
             raise ValueError(f"--fp8rl-decode-attention split_kv: the decode attention backend is {name}, not "
                              "FlashAttention-3 (--attention-backend fa3, or --decode-attention-backend fa3)")
         logger.info("[fp8rl] decode attention: %s's own (the split-KV kernel replaces FlashAttention-3 only%s)", name,
-                    "; --fp8rl-decode-query bf16 changes nothing" if get_options().decode_query == "bf16" else "")
+                    "; --fp8rl-decode-query bf16 changes nothing" if uncast else "")
         return "not fa3"
     # the split-KV kernel writes its output's codes for o_proj too where the norms and SiLUs hand theirs over
-    hand_over = get_options().producer_quant == "on" and producers.off_reason(runner.server_args) is None
+    hand_over = options.producer_quant == "on" and producers.off_reason(runner.server_args) is None
     backend = decode_backend(runner.attn_backend)
-    query = query_form(backend, get_options().decode_query)
+    query = query_form(backend, options.decode_query)
     # a dispatcher already there (a second install) is replaced, not wrapped: dispatching unwraps it
     setattr(module, FA3_DECODE_FUNCTION, dispatching(getattr(module, FA3_DECODE_FUNCTION), mode, hand_over, query))
-    if query == "bf16":  # only once the dispatcher that casts for FA3 is in place
+    if query == UNCAST_QUERY:  # only once the dispatcher that casts for FA3 is in place
         keep_decode_query(backend)
     logger.info("[fp8rl] decode attention: plain FP8-KV decode calls of %s go to the split-KV kernel (%s)%s%s",
                 module.__name__, mode, "; its output's 1x128 codes go to o_proj (--fp8rl-producer-quant on)"
                 if hand_over else "", "; it reads the BF16 query, FA3's calls get it in E4M3 (--fp8rl-decode-query "
-                "bf16)" if query == "bf16" else "")
+                "bf16)" if query == UNCAST_QUERY else "")
     return "installed"
 
 
 def query_form(backend: Any, asked: str) -> str:
-    """The query the dispatcher will see from ``backend``'s decode: "bf16" (uncast) where asked and possible, or
-    where an earlier install already made it so; else "fp8" (SGLang's cast), with one log line saying why."""
+    """The query the dispatcher will see from ``backend``'s decode: ``UNCAST_QUERY`` where asked and possible, or
+    where an earlier install already made it so; else ``CAST_QUERY`` (SGLang's cast), with one log line saying why."""
     if keeps_decode_query(backend):
-        return "bf16"
-    if asked != "bf16":
+        return UNCAST_QUERY
+    if asked != UNCAST_QUERY:
         return asked
     reason = keep_query_blocker(backend)
     if reason:
         logger.info("[fp8rl] decode attention: the query stays SGLang's E4M3 cast (%s)", reason)
-        return "fp8"
+        return CAST_QUERY
     return asked

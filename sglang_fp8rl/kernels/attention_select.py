@@ -30,7 +30,8 @@ SPLIT_KV = "split_kv"
 MODES = ("auto", FA3, SPLIT_KV)  # --fp8rl-decode-attention
 # --fp8rl-decode-query: fp8 = SGLang casts every decode query to E4M3 before the call; bf16 = decode queries arrive
 # uncast (compat/fa3_query.py), the split-KV kernel reads them so, and the calls that go to FA3 get SGLang's cast here
-QUERY_MODES = ("fp8", "bf16")
+CAST_QUERY, UNCAST_QUERY = "fp8", "bf16"
+QUERY_MODES = (CAST_QUERY, UNCAST_QUERY)
 MAX_FP8_HEAD_DIM = 256  # SGLang casts the query to an FP8 cache's dtype for head dims up to this (FA3's FP8 limit)
 # auto takes the split-KV kernel up to this many sequences in a decode batch (the captured batch size), FA3 above.
 # Measured (docs/RESULTS.md sec. 23, 24): in the longer-tailed RL rollout its decode steps at 3-8 running were faster
@@ -139,7 +140,7 @@ def cast_query(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "q": q.to(cache.dtype)}
 
 
-def dispatching(original: Callable, mode: str, hand_over: bool = False, query: str = "fp8") -> Callable:
+def dispatching(original: Callable, mode: str, hand_over: bool = False, query: str = CAST_QUERY) -> Callable:
     """``original`` (FA3's ``flash_attn_with_kvcache``) with plain FP8 decode calls sent to the split-KV kernel
     (``hand_over``: see :func:`run_split_kv`; ``query`` "bf16": decode queries arrive uncast, and the calls that go to
     FA3 are cast here first, see :func:`cast_query`)."""
@@ -170,7 +171,7 @@ def dispatching(original: Callable, mode: str, hand_over: bool = False, query: s
             except BUILD_ERRORS as e:  # its outputs are unwritten: FA3 computes this call from the same operands
                 unbuildable.append(f"the split-KV kernel does not build on this GPU: {type(e).__name__}: {e}")
                 logger.warning("[fp8rl] decode attention: FA3 for every call from now on (%s)", unbuildable[0])
-        return original(*args, **(cast_query(kwargs) if query == "bf16" else kwargs))
+        return original(*args, **(cast_query(kwargs) if query == UNCAST_QUERY else kwargs))
 
     setattr(flash_attn_with_kvcache, _MARK, original)
     return flash_attn_with_kvcache
