@@ -28,12 +28,14 @@ import _paths  # noqa: F401  (the checkout on sys.path)
 _DIVISIBLE = ("stride_q_tok", "stride_q_head", "stride_k_page", "stride_k_head", "stride_v_page", "stride_v_head",
               "stride_pt", "num_heads")
 _POINTER_TYPES = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "page_table_ptr": "*i32",
-                  "seqlens_ptr": "*i32", "plan_ptr": "*i32"}
+                  "seqlens_ptr": "*i32", "plan_ptr": "*i32", "counts_ptr": "*i32", "out_ptr": "*bf16",
+                  "codes_ptr": "*fp8e4nv"}
 
 
 @functools.cache  # a compile takes seconds: once per configuration and process
 def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, group: int = 4,
-                         v_widen_tile: bool = False, pdl: bool = False, single: bool = False) -> dict:
+                         v_widen_tile: bool = False, pdl: bool = False, single: bool = False,
+                         fused_merge: bool = False) -> dict:
     """The split kernel's sm90 TTGIR, PTX, cubin and shared memory, as the default served call specializes it."""
     import inspect
 
@@ -47,7 +49,8 @@ def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, gr
     names = list(inspect.signature(kernel.fn).parameters)
     constexprs = dict(PAGE_SIZE=1, GROUP=group, BLOCK_H=max(FDA.MIN_BLOCK_H, group), HEAD_DIM=128, BLOCK_N=block_n,
                       BLOCK_B=1 if single else 8, MAX_SPLITS=FDA.MAX_SPLITS, FINE=FDA.FINE, PREPLAN=not single,
-                      V_WIDEN_TILE=v_widen_tile, PDL=pdl, SINGLE=single)
+                      V_WIDEN_TILE=v_widen_tile, PDL=pdl, SINGLE=single, FUSED_MERGE=fused_merge, SPLITS_P2=64,
+                      FP8_MAX=FDA.FP8_MAX, AMAX_FLOOR_BITS=FDA._AMAX_FLOOR_BITS, QUANT_OUT=False)
     signature = {}
     for name in names:
         if name in constexprs:

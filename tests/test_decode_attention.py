@@ -127,7 +127,7 @@ def test_a_kernel_that_does_not_build_sends_this_call_and_every_later_one_to_fa3
 
     tried = []
 
-    def unbuildable(kwargs, hand_over=False):
+    def unbuildable(kwargs, hand_over=False, plans=None):
         tried.append(kwargs)
         raise OutOfResources(232448, 101376, "shared memory")
 
@@ -221,6 +221,79 @@ HANDOVER_THROUGH_DISPATCHER = QUANTIZER_PREAMBLE + E4M3_RNE_PREAMBLE + BF16_RNE_
     print("dispatcher hand-over ok")
     """
 )
+
+
+# one plan a step (step_plan): the step's first call writes it, its other layers read it; lengths refilled in place
+# (a graph's static tensor), a new lengths tensor, another grid or a capture starting each get a plan of their own,
+# and every output is the per-layer plan's, bit for bit
+STEP_PLAN_THROUGH_DISPATCHER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "tests")
+    import torch
+    from decode_attention_case import fa3_decode_kwargs, paged_case
+    from sglang_fp8rl.kernels import fp8_decode_attention as fda
+    from sglang_fp8rl.kernels import step_plan
+    from sglang_fp8rl.kernels.attention_select import dispatching
+
+    writes = []
+    write_plan = fda.write_plan
+    def counted(*args, **kwargs):
+        writes.append(args[0].tolist())
+        return write_plan(*args, **kwargs)
+    fda.write_plan = counted
+    capture = [False]
+    step_plan.capturing = lambda device: capture[0]
+
+    def fa3(*args, **kwargs):
+        raise AssertionError("a plain FP8 decode call reached FA3")
+
+    long, short = [70, 1, 300], [50, 1, 200]
+    lens = torch.tensor(short, dtype=torch.int32)  # the step's one lengths tensor, every layer's
+    layers = [dict(paged_case(10 + i, 3, 2, 4, 128, 1, long), cache_seqlens=lens) for i in range(3)]
+    per_layer, shared = dispatching(fa3, "split_kv"), dispatching(fa3, "split_kv", step_plan=True)
+
+    def step(cases, expected_writes):
+        want = [per_layer(**fa3_decode_kwargs(c)) for c in cases]
+        writes.clear()
+        got = [shared(**fa3_decode_kwargs(c)) for c in cases]
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), expected_writes
+        assert writes == expected_writes, (writes, expected_writes)
+        return got
+
+    step(layers, [short])
+    stale = fda.decode_plan(layers[0]["q"], layers[0]["k_cache"], lens)
+    lens.copy_(torch.tensor(long, dtype=torch.int32))  # refilled in place, as SGLang refills a graph's lengths
+    got = step(layers, [long])
+    c = layers[0]
+    wrong = fda.fp8_decode_attention(c["q"], c["k_cache"], c["v_cache"], c["page_table"], lens, c["softmax_scale"],
+                                     c["k_descale"], c["v_descale"], plan=stale)
+    assert not torch.equal(wrong, got[0])  # a stale plan would show: the check can fail
+    step(layers, [])  # the next forward over the same, unchanged lengths (a warm-up run): the plan is kept
+    capture[0] = True
+    step(layers, [long])  # the captured forward writes its own plan (each replay writes it again)
+    capture[0] = False
+    fresh = torch.tensor(long, dtype=torch.int32)  # the next eager step: a new tensor, the same values
+    step([dict(c, cache_seqlens=fresh) for c in layers], [long])
+    # one KV head: another grid, its own plan; the layer after it writes the first grid's plan again
+    other = dict(paged_case(20, 3, 1, 8, 128, 1, long), cache_seqlens=fresh)
+    step([dict(layers[0], cache_seqlens=fresh), other, dict(layers[1], cache_seqlens=fresh)], [long] * 2)
+    try:
+        fda.fp8_decode_attention(c["q"], c["k_cache"], c["v_cache"], c["page_table"], lens, c["softmax_scale"],
+                                 c["k_descale"], c["v_descale"], plan=stale[:-1])
+    except ValueError as e:
+        assert "plan must be int32" in str(e), e
+    else:
+        raise AssertionError("a plan of the wrong size accepted")
+    print("dispatcher step plan ok")
+    """
+)
+
+
+def test_one_plan_serves_a_steps_layers_and_each_new_step_writes_its_own():
+    result = run_under_interpreter(STEP_PLAN_THROUGH_DISPATCHER)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "dispatcher step plan ok" in result.stdout
 
 
 def test_the_kernels_own_output_carries_its_codes_to_o_proj():

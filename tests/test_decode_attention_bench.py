@@ -123,5 +123,6 @@ def test_command_line():
     proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu/bench_decode_attention.py"), "--help"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    for flag in ("--out", "--quick", "--deadline-s", "--no-sweep", "--cells", "--flashinfer", "--v-widen-tile"):
+    for flag in ("--out", "--quick", "--deadline-s", "--no-sweep", "--cells", "--flashinfer", "--v-widen-tile",
+                 "--pdl", "--single-plan", "--step-plan", "--fused-merge"):
         assert flag in proc.stdout

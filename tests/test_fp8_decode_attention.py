@@ -145,6 +145,39 @@ SINGLE_PLAN_CHECK = PREAMBLE + textwrap.dedent(
     """
 )
 
+# fused_merge: each (sequence, KV head)'s last split merges its query heads, no merge launch: the default's bits with
+# each plan form, with the output codes, at idle programs and lengths of 0; the counts are back at 0 after every call
+FUSED_MERGE_CHECK = PREAMBLE + textwrap.dedent(
+    """
+    from sglang_fp8rl.kernels.norm_quant import empty_scales
+    from sglang_fp8rl.kernels.split_kv_plan_kernel import merge_counts
+
+    for seed, (batch, kv_heads, group, dim, page, lens, budget) in enumerate([
+            (3, 2, 4, 128, 1, [300, 3, 129], 5), (1, 2, 4, 128, 1, [300], None), (4, 1, 8, 64, 4, [0, 250, 64, 1], 3),
+            (2, 4, 2, 64, 16, [97, 0], 64)]):
+        case = paged_case(seed, batch, kv_heads, group, dim, page, lens)
+        for kw in (dict(), dict(preplan=False), dict(single_plan=True), dict(out=torch.empty(case["q"].shape))):
+            want = run(case, budget=budget, **{k: (v.clone() if k == "out" else v) for k, v in kw.items()})
+            got = run(case, budget=budget, fused_merge=True, **kw)
+            assert torch.equal(got, want), (seed, kw)
+            assert not merge_counts(torch.device("cpu"), 1).any(), (seed, kw)
+        if dim == 128:
+            heads = kv_heads * group
+            codes = [(torch.zeros(batch, heads * 128).to(torch.float8_e4m3fn),
+                      empty_scales(batch, heads * 128, torch.device("cpu"), "row")) for _ in range(2)]
+            outs = [run(case, budget=budget, fused_merge=flag, out_codes=c) for flag, c in zip((True, False), codes)]
+            assert torch.equal(outs[0], outs[1]) and torch.equal(codes[0][1], codes[1][1]), seed
+            assert torch.equal(codes[0][0].view(torch.uint8), codes[1][0].view(torch.uint8)), seed
+    try:
+        run(case, fused_merge=1)
+    except ValueError as e:
+        assert "fused_merge must be a bool" in str(e), e
+    else:
+        raise AssertionError("fused_merge=1 accepted")
+    print("decode fused merge ok")
+    """
+)
+
 # a BF16 query (--fp8rl-decode-query bf16: the query as the model made it, not cast to E4M3 first) is read as such:
 # within the tolerance of the float64 attention of that query, where the E4M3-cast query is far off it
 BF16_QUERY_CHECK = PREAMBLE + textwrap.dedent(
@@ -249,9 +282,10 @@ OUT_CODES_CHECK = QUANTIZER_PREAMBLE + E4M3_RNE_PREAMBLE + BF16_RNE_PREAMBLE + P
                                            (DETERMINISM_CHECK, "decode determinism ok"),
                                            (OUT_CODES_CHECK, "decode out codes ok"),
                                            (BF16_QUERY_CHECK, "decode bf16 query ok"),
-                                           (SINGLE_PLAN_CHECK, "decode single plan ok")],
+                                           (SINGLE_PLAN_CHECK, "decode single plan ok"),
+                                           (FUSED_MERGE_CHECK, "decode fused merge ok")],
                          ids=["float32-vs-float64-property", "bf16-output", "determinism", "out-codes", "bf16-query",
-                              "single-plan"])
+                              "single-plan", "fused-merge"])
 def test_under_the_triton_interpreter(check, marker) -> None:
     result = run_under_interpreter(check)
     assert result.returncode == 0, result.stdout + result.stderr

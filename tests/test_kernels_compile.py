@@ -144,6 +144,21 @@ def test_one_sequence_planned_in_the_kernel_compiles_and_waits_before_it_reads()
     assert rep["byte_global_loads"] == 0 and "cp.async.cg.shared.global" in ptx
 
 
+def test_the_split_kernel_merging_its_own_results_releases_them_before_it_counts_and_reads_them_from_l2():
+    """fused_merge: the partial results stored, a barrier of the whole program, then one thread's acquire-release
+    count at GPU scope; the last split reads every split's partial results from L2 (``.cg``: other programs wrote
+    them), and lets the next kernel launch only after the merged output is stored."""
+    import kernel_asm
+
+    ptx = kernel_asm.compile_split_kernel(fused_merge=True, pdl=True)["ptx"]
+    atom = ptx.index("atom.global.gpu.acq_rel.add")
+    assert ptx.count("atom.global") == 1 and "atom" not in kernel_asm.compile_split_kernel()["ptx"]
+    last_partial = ptx.rindex("st.global", 0, atom)
+    assert "bar.sync" in ptx[last_partial:atom]
+    assert ptx.index("ld.global.cg") > atom and "ld.global.cg" not in ptx[:atom]
+    assert ptx.rindex("st.global") < ptx.rindex("griddepcontrol.launch_dependents")
+
+
 def test_v_widened_on_its_tile_takes_no_byte_loads_and_fewer_instructions():
     """fp8_decode_attention's V_WIDEN_TILE form: V widened on its loaded tile (an opaque cvt.rn.f16x2.e4m3x2), so the
     MMA reads FP16 from shared memory and the loop has no LDS.U8 and about a third fewer instructions than the default

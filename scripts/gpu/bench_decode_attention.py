@@ -18,6 +18,10 @@ to FA3 (a [1] tensor expanded to [batch, kv_heads]). Per cell (running batch x c
               graph's copies run back to back, so each call's launch overlaps the one before), and its bits
   split_kv_single  with --single-plan, at one sequence: the default planning in closed form inside its two kernels,
               without the plan launch (fp8_decode_attention.SINGLE_PLAN), and its bits
+  split_kv_step  with --step-plan: the default with one plan for all the graph's calls (the layers of a step), as the
+              dispatcher keeps it (kernels/step_plan.py, STEP_PLAN): written by the first call, read by the others
+  split_kv_fused / split_kv_fused_step  with --fused-merge: the default with the last split of each sequence merging
+              (fp8_decode_attention.FUSED_MERGE, no merge launch), alone and with one plan a step, and their bits
 
 A cell's contexts are all equal, or ragged ("r" cells): lognormal (sigma 1, as an RL batch's contexts spread) with
 the cell's context as their mean, each between 64 tokens and 8x the mean, the same draw for every kernel.
@@ -29,7 +33,7 @@ run as the roofline measures it (scripts/decode_roofline.py: 1 GiB, read + write
 Accuracy: each kernel's output against a float64 reference computed from the same E4M3 query and cache.
 
   python scripts/gpu/bench_decode_attention.py --out /tmp/attn [--quick] [--deadline-s 400] [--flashinfer]
-      [--v-widen-tile] [--pdl] [--single-plan]
+      [--v-widen-tile] [--pdl] [--single-plan] [--step-plan] [--fused-merge]
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ from decode_roofline_child import copy_bandwidth  # noqa: E402  (the roofline's 
 
 from sglang_fp8rl.kernels import fp8_decode_attention as FDA  # noqa: E402
 from sglang_fp8rl.kernels.gemm_select import measure  # noqa: E402
+from sglang_fp8rl.kernels.step_plan import StepPlan  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 CELLS = [(1, 4096), (1, 12288), (8, 4096), (8, 12288), (32, 4096), (32, 12288), (128, 1024), (128, 4096),
@@ -158,12 +163,29 @@ def fa3_calls(cell: Cell, fp8: bool):
 # optional kernels of a row (options --flashinfer, --v-widen-tile) and their column names
 OPTIONAL_KERNELS = {"fi_fp8": "FlashInfer FP8", "split_kv_vtile": "split-KV, V widened on its tile",
                     "split_kv_pdl": "split-KV, dependent launches", "split_kv_plain": "split-KV, plain launches",
-                    "split_kv_single": "split-KV, one sequence planned in the kernels"}
+                    "split_kv_single": "split-KV, one sequence planned in the kernels",
+                    "split_kv_step": "split-KV, one plan a step",
+                    "split_kv_fused": "split-KV, merged by the last split",
+                    "split_kv_fused_step": "split-KV, merged by the last split, one plan a step"}
 # the split-KV kernel's optional forms: (column, option, the keywords that make it): V widened on its tile, and the
 # launch form the default does not use (dependent launches are the default on Hopper since docs/RESULTS.md 35d)
 SPLIT_KV_FORMS = (("split_kv_vtile", "v_widen_tile", {"v_widen_tile": True}),
                   ("split_kv_plain" if FDA.PDL else "split_kv_pdl", "pdl", {"pdl": not FDA.PDL}),
-                  ("split_kv_single", "single_plan", {"single_plan": True}))
+                  ("split_kv_single", "single_plan", {"single_plan": True}),
+                  ("split_kv_step", "step_plan", {"step_plan": True}),
+                  ("split_kv_fused", "fused_merge", {"fused_merge": True}),
+                  ("split_kv_fused_step", "fused_merge", {"fused_merge": True, "step_plan": True}))
+# the command-line options that add the forms (--v-widen-tile ...), and what each adds
+FORM_OPTIONS = {
+    "v_widen_tile": "with V widened on its tile (fp8_decode_attention.V_WIDEN_TILE)",
+    "pdl": "with its launches in the form the default does not use (plain or programmatic dependent launches, "
+           "fp8_decode_attention.PDL)",
+    "single_plan": "at one sequence, planning in closed form inside its two kernels, without the plan launch "
+                   "(fp8_decode_attention.SINGLE_PLAN)",
+    "step_plan": "with one plan for all the calls of a graph, the layers of a step (kernels/step_plan.py, STEP_PLAN)",
+    "fused_merge": "with the last split of each sequence merging, no merge launch (fp8_decode_attention.FUSED_MERGE), "
+                   "alone and with one plan a step",
+}
 FI_WORKSPACE_BYTES = 256 << 20  # SGLang's flashinfer backend allocates this much float workspace (its default)
 
 
@@ -196,13 +218,16 @@ def split_kv_call(cell: Cell, cfg: dict, sms: int):
     """The kernel's call on a cell with ``cfg``'s variant, its work budget and its plan's largest split count."""
     budget = FDA.work_budget(KV_HEADS, sms, cfg.get("per_sm", FDA.RESIDENT_PER_SM))
     kw = {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "fine", "preplan", "v_widen_tile", "pdl",
-                              "single_plan") if k in cfg}
+                              "single_plan", "fused_merge") if k in cfg}
     splits = max(FDA.plan_splits(cell.lengths, budget, kw.get("block_n", FDA.DEFAULT_BLOCK_N),
                                  kw.get("fine", FDA.FINE)))
+    # the dispatcher's step plan (the default budget and tile only): the graph's first call writes it
+    plans = StepPlan() if cfg.get("step_plan") else None
 
     def call(i: int) -> torch.Tensor:
+        plan = plans.plan(cell.q8, cell.k[i], cell.seqlens) if plans is not None else None
         return FDA.fp8_decode_attention(cell.q8, cell.k[i], cell.v[i], cell.page_table, cell.seqlens, cell.scale,
-                                        cell.k_scale, cell.v_scale, budget=budget, **kw)
+                                        cell.k_scale, cell.v_scale, budget=budget, plan=plan, **kw)
     return call, {"budget": budget, "splits": splits}
 
 
@@ -227,7 +252,9 @@ def variants(sweep: dict) -> list[dict]:
 
 
 def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float, flashinfer: bool = False,
-             v_widen_tile: bool = False, pdl: bool = False, single_plan: bool = False) -> dict:
+             forms: dict | None = None) -> dict:
+    """One cell: FA3 (BF16 and FP8 caches), the split-KV default, its forms asked for (``forms``: option -> bool, the
+    options of FORM_OPTIONS) and the sweep."""
     ref = cell.reference()
     row = {"batch": cell.batch, "context": cell.context, "ragged": cell.ragged, "max_context": max(cell.lengths),
            "copies": cell.copies, "kernels": {}, "sweep": []}
@@ -255,8 +282,8 @@ def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float, flas
     default_out = default_call(0)
     row["kernels"]["split_kv"] = {"us": us, **plan, "gbps": nbytes / us / 1e3,
                                   "of_copy_bw": nbytes / us / 1e3 / bw, "error": error_vs(ref, default_out)}
-    # the closed-form plan is a form of batches of one only
-    wanted = {"v_widen_tile": v_widen_tile, "pdl": pdl, "single_plan": single_plan and cell.batch == 1}
+    wanted = dict.fromkeys(FORM_OPTIONS, False) | (forms or {})
+    wanted["single_plan"] = wanted["single_plan"] and cell.batch == 1  # a form of batches of one only
     for column, option, keywords in SPLIT_KV_FORMS:  # the default with one change; whether its bits are the default's
         if not wanted[option]:
             continue
@@ -342,14 +369,8 @@ def main() -> int:
                    help="equal contexts, ragged ones (lognormal), or both (default)")
     p.add_argument("--flashinfer", action="store_true",
                    help="also FlashInfer's FP8-KV decode as SGLang's flashinfer backend calls it (JIT on first use)")
-    p.add_argument("--v-widen-tile", action="store_true",
-                   help="also the split-KV kernel with V widened on its tile (fp8_decode_attention.V_WIDEN_TILE)")
-    p.add_argument("--pdl", action="store_true",
-                   help="also the split-KV kernel with its launches in the form the default does not use (plain or "
-                   "programmatic dependent launches, fp8_decode_attention.PDL)")
-    p.add_argument("--single-plan", action="store_true",
-                   help="also, at one sequence, the split-KV kernel planning in closed form inside its two kernels, "
-                   "without the plan launch (fp8_decode_attention.SINGLE_PLAN)")
+    for option, text in FORM_OPTIONS.items():
+        p.add_argument(f"--{option.replace('_', '-')}", action="store_true", help=f"also the split-KV kernel {text}")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -374,8 +395,8 @@ def main() -> int:
         cell_deadline = t0 + args.deadline_s * (i + 1) / len(cells)
         cell = Cell(batch, context, dev, bf16=True, ragged=ragged)
         result["cells"].append(run_cell(cell, sweep, props.multi_processor_count, bw, cell_deadline,
-                                        flashinfer=args.flashinfer, v_widen_tile=args.v_widen_tile, pdl=args.pdl,
-                                        single_plan=args.single_plan))
+                                        flashinfer=args.flashinfer,
+                                        forms={option: getattr(args, option) for option in FORM_OPTIONS}))
         del cell
         torch.cuda.empty_cache()
         print(report(result).splitlines()[-1], flush=True)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from sglang_fp8rl.kernels import producers
+from sglang_fp8rl.kernels.step_plan import STEP_PLAN, StepPlan
 from sglang_fp8rl.quant import DEFAULT_GROUP_SIZE
 
 logger = logging.getLogger(__name__)
@@ -110,14 +111,18 @@ def choose(mode: str, kwargs: Mapping[str, Any]) -> tuple[str, str]:
     return SPLIT_KV, "plain decode over an E4M3 cache (split_kv)"
 
 
-def run_split_kv(kwargs: Mapping[str, Any], hand_over: bool = False) -> Any:
+def run_split_kv(kwargs: Mapping[str, Any], hand_over: bool = False, plans: StepPlan | None = None) -> Any:
     """The split-KV kernel on an FA3 call's operands (FA3's output layout: [tokens, heads, head_dim]). ``hand_over``
     (``--fp8rl-producer-quant on``): the kernel also writes its output's 1x128 codes, attached for o_proj
     (kernels/producers.py), where it allocates that output itself (a buffer the caller passes may be written by
-    another kernel next, which would leave the codes stale) and the head dim is one group."""
-    from sglang_fp8rl.kernels.fp8_decode_attention import fp8_decode_attention
+    another kernel next, which would leave the codes stale) and the head dim is one group. ``plans``: the step's
+    plan, written by its first call and read by the others (kernels/step_plan.py)."""
+    from sglang_fp8rl.kernels.fp8_decode_attention import PREPLAN, SINGLE_PLAN, fp8_decode_attention
 
     q = kwargs["q"]
+    plan = None
+    if plans is not None and PREPLAN and not (SINGLE_PLAN and q.shape[0] == 1):
+        plan = plans.plan(q, kwargs["k_cache"], kwargs["cache_seqlens"])
     out_codes = None
     if hand_over and kwargs.get("out") is None and q.dim() == 3 and q.shape[2] == DEFAULT_GROUP_SIZE:
         from sglang_fp8rl.kernels.norm_quant import empty_codes
@@ -126,7 +131,7 @@ def run_split_kv(kwargs: Mapping[str, Any], hand_over: bool = False) -> Any:
         out_codes = empty_codes(q.shape[0], q.shape[1] * q.shape[2], q.device, "tma")
     out = fp8_decode_attention(q, kwargs["k_cache"], kwargs["v_cache"], kwargs["page_table"],
                                kwargs["cache_seqlens"], kwargs["softmax_scale"], kwargs["k_descale"],
-                               kwargs["v_descale"], out=kwargs.get("out"), out_codes=out_codes)
+                               kwargs["v_descale"], out=kwargs.get("out"), out_codes=out_codes, plan=plan)
     return producers.attach(out, *out_codes) if out_codes is not None else out
 
 
@@ -140,13 +145,15 @@ def cast_query(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "q": q.to(cache.dtype)}
 
 
-def dispatching(original: Callable, mode: str, hand_over: bool = False, query: str = CAST_QUERY) -> Callable:
+def dispatching(original: Callable, mode: str, hand_over: bool = False, query: str = CAST_QUERY,
+                step_plan: bool = STEP_PLAN) -> Callable:
     """``original`` (FA3's ``flash_attn_with_kvcache``) with plain FP8 decode calls sent to the split-KV kernel
     (``hand_over``: see :func:`run_split_kv`; ``query`` "bf16": decode queries arrive uncast, and the calls that go to
-    FA3 are cast here first, see :func:`cast_query`)."""
+    FA3 are cast here first, see :func:`cast_query`; ``step_plan``: one plan a step for all its layers)."""
     if query not in QUERY_MODES:
         raise ValueError(f"--fp8rl-decode-query must be one of {QUERY_MODES}, got {query!r}")
     original = original_of(original) or original  # a dispatcher is replaced, never wrapped
+    plans = StepPlan() if step_plan else None
     logged: set[tuple[str, str]] = set()
     unbuildable: list[str] = []  # the kernel failed to build here once: FA3 from then on
 
@@ -167,7 +174,7 @@ def dispatching(original: Callable, mode: str, hand_over: bool = False, query: s
             from sglang_fp8rl.kernels.fp8_decode_attention import BUILD_ERRORS
 
             try:
-                return run_split_kv(kwargs, hand_over)
+                return run_split_kv(kwargs, hand_over, plans)
             except BUILD_ERRORS as e:  # its outputs are unwritten: FA3 computes this call from the same operands
                 unbuildable.append(f"the split-KV kernel does not build on this GPU: {type(e).__name__}: {e}")
                 logger.warning("[fp8rl] decode attention: FA3 for every call from now on (%s)", unbuildable[0])

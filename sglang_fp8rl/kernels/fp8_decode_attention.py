@@ -17,12 +17,15 @@ TB/s (docs/RESULTS.md sec. 21a), so half the bytes bought 1.1-1.3x. This kernel 
   step's tiles, else ``FINE`` times less than the even share, over several waves. A long sequence among short ones
   is read by many programs, not by one that the whole step waits for. The grid is fixed per batch size
   (``grid_programs``), so a CUDA graph captured at one context replays at any lengths;
-* a second launch merges each sequence's splits by their log-sum-exp, in split order (deterministic);
+* a second launch merges each sequence's splits by their log-sum-exp, in split order (deterministic); with
+  ``fused_merge`` (``FUSED_MERGE``, off until measured) the last split of each (sequence, KV head) to finish does
+  that merge itself, counted by one atomic a split, and no merge launch runs;
 * a first, small launch writes the plan (``_decode_attn_plan_kernel``) and both kernels read their part of it:
   three loads a program (``preplan``, the default since the H200 sweep of docs/RESULTS.md sec. 26a); a batch of one
   can instead plan in closed form inside both kernels (``single_plan``, ``SINGLE_PLAN``, off until measured);
   ``preplan=False`` computes the plan in every program of both launches instead (the same plan, so the same bits):
-  the benchmark's baseline. In a served step the plan launch costs 2.6 us a layer (sec. 27b).
+  the benchmark's baseline. In a served step the plan launch costs 2.6 us a layer (sec. 27b); a plan written once
+  serves every layer of a step (``plan=``, :func:`decode_plan`; the dispatcher's kernels/step_plan.py).
 
 K, V and the query are widened to FP16 in registers (E4M3 -> FP16 is exact); the scores and the weighted sum use FP16
 MMAs with float32 accumulation, P rounded to FP16 (FA3's FP8 path rounds it to E4M3). That widening is most of the
@@ -56,6 +59,7 @@ from sglang_fp8rl.kernels.split_kv_plan import (  # noqa: F401 - the plan's name
     MAX_SPLITS,
     MIN_BLOCK_H,
     RESIDENT_PER_SM,
+    call_grid,
     cannot_run,
     check_out_codes,
     grid_programs,
@@ -63,13 +67,23 @@ from sglang_fp8rl.kernels.split_kv_plan import (  # noqa: F401 - the plan's name
     sm_count,
     work_budget,
 )
+from sglang_fp8rl.kernels.split_kv_plan_kernel import (  # noqa: F401 - re-exported for the kernel's tests
+    PLAN_BLOCK_P,
+    _decode_attn_plan_kernel,
+    _plan,
+    _single_plan,
+    check_plan,
+    merge_counts,
+    plan_constants,
+    plan_size,
+    write_plan,
+)
 from sglang_fp8rl.kernels.triton_quant import _AMAX_FLOOR_BITS
 from sglang_fp8rl.quant import FP8_MAX
 
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 3
 LOG2E = 1.4426950408889634
-PLAN_BLOCK_P = 64  # split-launch programs one program of the plan launch describes (``preplan``)
 # the plan written once by a launch of its own and read by both kernels, instead of computed by every program: in the
 # H200 sweep of docs/RESULTS.md sec. 26a, against the same tile and FINE without it, 0.87-1.00x the time (geometric
 # mean over the tiles) at each of its 13 cells; at the default tile 1 x 12288 took 19.3 us instead of 23.5
@@ -88,68 +102,13 @@ PDL = True
 # kernels, so no plan launch runs before them (``_single_plan``: the plan of ``_plan`` for one length, the same bits).
 # Off until measured on a GPU (scripts/gpu/bench_decode_attention.py --single-plan compares it with the default)
 SINGLE_PLAN = False
+# the sequence's last split to finish merges its partial results (an atomic count per sequence and KV head), so no
+# merge launch follows the split launch; the same arithmetic as the merge kernel's. Off until measured on a GPU
+# (scripts/gpu/bench_decode_attention.py --fused-merge compares it with the default)
+FUSED_MERGE = False
 # what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
 # caller may run another kernel instead; a kernel that compiled never raises these
 BUILD_ERRORS = (CompilationError, OutOfResources)
-
-
-@triton.jit
-def _plan(seqlens_ptr, batch, budget, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
-          FINE: tl.constexpr):
-    """Per sequence: its tiles, its splits and the end of its run of programs (cumulative splits); see plan_splits."""
-    offs_b = tl.arange(0, BLOCK_B)
-    in_batch = offs_b < batch
-    tiles = tl.cdiv(tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0), BLOCK_N)
-    even = tl.maximum(tl.cdiv(tl.sum(tiles, 0), budget), 1)  # tiles per program if they divided evenly
-    # the fewest tiles per program with which every sequence's splits fit one wave (a binary search; none fits when
-    # the batch alone overfills the wave; a batch of exactly one wave fits with one split each)
-    lo = even
-    hi = tl.where(batch <= budget, tl.maximum(even, tl.max(tiles, 0)), even)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        fits = tl.sum(tl.where(in_batch, tl.maximum(tl.cdiv(tiles, mid), 1), 0), 0) <= budget
-        hi = tl.where(fits, mid, hi)
-        lo = tl.where(fits, lo, mid + 1)
-    # one wave if it costs at most 4/3 of the even share, else FINE times more, smaller programs over several waves
-    per_program = tl.where(3 * lo <= 4 * even, lo, tl.maximum(tl.cdiv(even, FINE), 1))
-    splits = tl.where(in_batch, tl.minimum(tl.maximum(tl.cdiv(tiles, per_program), 1), MAX_SPLITS), 0)
-    return offs_b, tiles, splits, tl.cumsum(splits, 0)
-
-
-@triton.jit
-def _single_plan(seqlens_ptr, budget, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    """One sequence's (tiles, splits): ``_plan`` for a batch of one, whose binary search ends at its start, the even
-    share of the tiles (with it the splits fit one wave)."""
-    tiles = tl.cdiv(tl.load(seqlens_ptr), BLOCK_N)
-    per_program = tl.maximum(tl.cdiv(tiles, budget), 1)
-    return tiles, tl.minimum(tl.maximum(tl.cdiv(tiles, per_program), 1), MAX_SPLITS)
-
-
-@triton.jit
-def _decode_attn_plan_kernel(seqlens_ptr, plan_ptr, batch, budget, programs, BLOCK_B: tl.constexpr,
-                             BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
-                             BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
-    """The step's plan written once (``preplan``), for BLOCK_P programs per program of this launch: per program of
-    the split launch its sequence (``batch``: no work), split and tiles per split, at plan_ptr[0:3 * programs]; per
-    sequence its first program and its splits after them."""
-    if PDL:
-        gdc_wait()  # the lengths were written by the step's preparation, before the kernel before this one
-        gdc_launch_dependents()  # the split kernel waits for this grid before it reads the plan
-    offs_b, tiles, splits, ends = _plan(seqlens_ptr, batch, budget, BLOCK_B, BLOCK_N, MAX_SPLITS, FINE)
-    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    seq = tl.sum((ends[None, :] <= offs_p[:, None]).to(tl.int32), 1)
-    mine = offs_b[None, :] == seq[:, None]
-    my_splits = tl.sum(tl.where(mine, splits[None, :], 0), 1)
-    split = offs_p - (tl.sum(tl.where(mine, ends[None, :], 0), 1) - my_splits)
-    tiles_per_split = tl.cdiv(tl.sum(tl.where(mine, tiles[None, :], 0), 1), tl.maximum(my_splits, 1))
-    in_grid = offs_p < programs
-    tl.store(plan_ptr + offs_p, seq, mask=in_grid)
-    tl.store(plan_ptr + programs + offs_p, split, mask=in_grid)
-    tl.store(plan_ptr + 2 * programs + offs_p, tiles_per_split, mask=in_grid)
-    if tl.program_id(0) == 0:
-        in_batch = offs_b < batch
-        tl.store(plan_ptr + 3 * programs + offs_b, ends - splits, mask=in_batch)
-        tl.store(plan_ptr + 3 * programs + batch + offs_b, splits, mask=in_batch)
 
 
 @triton.jit
@@ -178,10 +137,12 @@ def _decode_attn_split_kernel(
     stride_v_page, stride_v_off, stride_v_head,
     stride_pt, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h,
     scale_log2, num_heads, batch, budget, plan_ptr, programs,
+    counts_ptr, out_ptr, stride_o_tok, stride_o_head, codes_ptr, scales_ptr, stride_c_tok, stride_s_tok, stride_s_head,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, MAX_SPLITS: tl.constexpr, FINE: tl.constexpr,
     PREPLAN: tl.constexpr, V_WIDEN_TILE: tl.constexpr = False, PDL: tl.constexpr = False,
-    SINGLE: tl.constexpr = False,
+    SINGLE: tl.constexpr = False, FUSED_MERGE: tl.constexpr = False, SPLITS_P2: tl.constexpr = 1,
+    FP8_MAX: tl.constexpr = 448.0, AMAX_FLOOR_BITS: tl.constexpr = 0, QUANT_OUT: tl.constexpr = False,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -194,12 +155,16 @@ def _decode_attn_split_kernel(
         seq = program * 0
         split = program
         tiles_per_split = tl.cdiv(tiles, splits)
+        my_splits = splits
     elif PREPLAN:  # the plan kernel's descriptors: three loads instead of the plan
         seq = tl.load(plan_ptr + program)
         if seq >= batch:
             return  # no work in this step's plan
         split = tl.load(plan_ptr + programs + program)
         tiles_per_split = tl.load(plan_ptr + 2 * programs + program)
+        my_splits = 0
+        if FUSED_MERGE:
+            my_splits = tl.load(plan_ptr + 3 * programs + batch + seq)
     else:
         offs_b, tiles, splits, ends = _plan(seqlens_ptr, batch, budget, BLOCK_B, BLOCK_N, MAX_SPLITS, FINE)
         seq = tl.sum((ends <= program).to(tl.int32), 0)  # the sequence whose run of programs holds this one
@@ -251,6 +216,15 @@ def _decode_attn_split_kernel(
     row = program.to(tl.int64) * num_heads + heads  # partial results indexed by program: one plan, no collisions
     tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=head_ok[:, None])
     tl.store(part_lse_ptr + row, lse, mask=head_ok)
+    if FUSED_MERGE:  # the sequence's last split to finish merges its KV head's query heads (fused_merge)
+        tl.debug_barrier()  # every thread's partial results stored before the release below
+        count = counts_ptr + seq * tl.num_programs(1) + kv_head
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == my_splits - 1:
+            tl.store(count, 0)  # ready for the next call (a kernel boundary orders it)
+            for h in range(kv_head * GROUP, kv_head * GROUP + GROUP):
+                _merge_head(part_o_ptr, part_lse_ptr, out_ptr, codes_ptr, scales_ptr, seq, h, program - split,
+                            my_splits, num_heads, stride_o_tok, stride_o_head, stride_c_tok, stride_s_tok,
+                            stride_s_head, SPLITS_P2, HEAD_DIM, FP8_MAX, AMAX_FLOOR_BITS, QUANT_OUT, ".cg")
     if PDL:
         gdc_launch_dependents()  # after the work: the merge's programs would take slots from this grid's later waves
 
@@ -279,15 +253,28 @@ def _decode_attn_merge_kernel(seqlens_ptr, part_o_ptr, part_lse_ptr, out_ptr, st
         mine = offs_b == seq
         my_splits = tl.sum(tl.where(mine, splits, 0), 0)
         first = tl.sum(tl.where(mine, ends, 0), 0) - my_splits
+    _merge_head(part_o_ptr, part_lse_ptr, out_ptr, codes_ptr, scales_ptr, seq, head, first, my_splits, num_heads,
+                stride_o_tok, stride_o_head, stride_c_tok, stride_s_tok, stride_s_head, SPLITS_P2, HEAD_DIM, FP8_MAX,
+                AMAX_FLOOR_BITS, QUANT_OUT, "")
+
+
+@triton.jit
+def _merge_head(part_o_ptr, part_lse_ptr, out_ptr, codes_ptr, scales_ptr, seq, head, first, my_splits, num_heads,
+                stride_o_tok, stride_o_head, stride_c_tok, stride_s_tok, stride_s_head, SPLITS_P2: tl.constexpr,
+                HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr, AMAX_FLOOR_BITS: tl.constexpr,
+                QUANT_OUT: tl.constexpr, CACHE: tl.constexpr):
+    """One sequence's output of one query head: its splits' partial results merged by their log-sum-exp, in split
+    order (``CACHE`` ".cg": read from L2, as written by other programs of the same launch)."""
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, HEAD_DIM)
     split_ok = offs_s < my_splits
     row = (first + offs_s).to(tl.int64) * num_heads + head
-    lse = tl.load(part_lse_ptr + row, mask=split_ok, other=float("-inf"))
+    lse = tl.load(part_lse_ptr + row, mask=split_ok, other=float("-inf"), cache_modifier=CACHE)
     top = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     total = tl.sum(w, 0)
-    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None], other=0.0)
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None], other=0.0,
+                cache_modifier=CACHE)
     o = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     y = o.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + seq.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d, y)
@@ -318,6 +305,8 @@ def fp8_decode_attention(
     pdl: bool = PDL,
     out_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
     single_plan: bool = SINGLE_PLAN,
+    plan: torch.Tensor | None = None,
+    fused_merge: bool = FUSED_MERGE,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V per sequence and query head, K/V read from the FP8 cache: see the module docstring.
 
@@ -332,14 +321,17 @@ def fp8_decode_attention(
     (codes [B, H * D] e4m3, multipliers [B, H] float32, any strides) to write the output's 1x128 quantization into
     as well (D 128 only: one head a group), ``quant.quantize_activation_groups`` of the BF16 output bit for bit;
     ``single_plan``: a batch of one plans in closed form inside both kernels, without the plan launch (the same
-    bits). Returns ``out`` (or a new tensor) [B, H, D] in BF16."""
+    bits); ``plan``: the plan :func:`decode_plan` wrote for these lengths with the same planning arguments (another
+    layer of the step; ``preplan`` only), read instead of written again; ``fused_merge``: the last split of each
+    (sequence, KV head) to finish merges its query heads, without the merge launch (the same arithmetic). Returns
+    ``out`` (or a new tensor) [B, H, D] in BF16."""
     reason = cannot_run(q, k_cache, v_cache, page_table, cache_seqlens)
     if reason:
         raise ValueError(f"fp8_decode_attention: {reason}")
     if not isinstance(fine, int) or fine < 1:
         raise ValueError(f"fp8_decode_attention: fine must be an int >= 1, got {fine!r}")
     for name, flag in (("preplan", preplan), ("v_widen_tile", v_widen_tile), ("pdl", pdl),
-                       ("single_plan", single_plan)):
+                       ("single_plan", single_plan), ("fused_merge", fused_merge)):
         if not isinstance(flag, bool):
             raise ValueError(f"fp8_decode_attention: {name} must be a bool, got {flag!r}")
     batch, heads, dim = q.shape
@@ -353,38 +345,52 @@ def fp8_decode_attention(
         return out
     k_descale = k_descale.expand(batch, kv_heads)
     v_descale = v_descale.expand(batch, kv_heads)
-    if budget is None:
-        budget = work_budget(kv_heads, sm_count(q.device))
-    programs = grid_programs(batch, budget, fine)
+    budget, programs = call_grid(q, k_cache, budget, fine)
     part_o = torch.empty(programs * heads, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(programs * heads, dtype=torch.float32, device=q.device)
-    plan = dict(BLOCK_B=triton.next_power_of_2(batch), BLOCK_N=block_n, MAX_SPLITS=MAX_SPLITS, FINE=fine)
     pdl = pdl and pdl_capable(q.device)
     single = single_plan and batch == 1
     preplan = preplan and not single
+    if preplan and plan is not None:
+        check_plan(plan, programs, batch, q.device)
+    elif preplan:
+        plan = write_plan(cache_seqlens, budget, programs, block_n, fine, pdl)
     # without preplan the kernels never read plan_ptr: any int32 tensor will do, nothing is allocated
-    plan_buf = torch.empty(3 * programs + 2 * batch, dtype=torch.int32, device=q.device) if preplan else cache_seqlens
-    if preplan:
-        _decode_attn_plan_kernel[(triton.cdiv(programs, PLAN_BLOCK_P),)](
-            cache_seqlens, plan_buf, batch, budget, programs, BLOCK_P=PLAN_BLOCK_P, PDL=pdl, launch_pdl=pdl, **plan)
+    plan_buf = plan if preplan else cache_seqlens
+    plan = plan_constants(batch, block_n, fine)
+    out3 = out.view(batch, heads, dim)
+    codes, scales = out_codes if out_codes is not None else (out3, part_lse)  # not written without QUANT_OUT
+    merged = (out3, out3.stride(0), out3.stride(1), codes, scales, codes.stride(0), scales.stride(0), scales.stride(-1))
+    merge = dict(SPLITS_P2=triton.next_power_of_2(min(MAX_SPLITS, fine * budget)), FP8_MAX=FP8_MAX,
+                 AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, QUANT_OUT=out_codes is not None)
+    # fused_merge: one count of finished splits per (sequence, KV head), back at 0 after each call
+    counts = merge_counts(q.device, batch * kv_heads) if fused_merge else cache_seqlens
     _decode_attn_split_kernel[(programs, kv_heads)](
         q, k_cache, v_cache, page_table, cache_seqlens, k_descale, v_descale, part_o, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), k_descale.stride(0), k_descale.stride(1), v_descale.stride(0), v_descale.stride(1),
-        float(softmax_scale) * LOG2E, heads, batch, budget, plan_buf, programs,
+        float(softmax_scale) * LOG2E, heads, batch, budget, plan_buf, programs, counts, *merged,
         PAGE_SIZE=page_size, GROUP=group, BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), HEAD_DIM=dim,
         num_warps=num_warps, num_stages=num_stages, PREPLAN=preplan, V_WIDEN_TILE=v_widen_tile and not INTERPRETED,
-        PDL=pdl, launch_pdl=pdl, SINGLE=single, **plan,
+        PDL=pdl, launch_pdl=pdl, SINGLE=single, FUSED_MERGE=fused_merge, **merge, **plan,
     )
-    out3 = out.view(batch, heads, dim)
-    codes, scales = out_codes if out_codes is not None else (out3, part_lse)  # not written without QUANT_OUT
+    if fused_merge:
+        return out
+    out_ptr, stride_o_tok, stride_o_head, *coded = merged
     _decode_attn_merge_kernel[(batch, heads)](
-        cache_seqlens, part_o, part_lse, out3, out3.stride(0), out3.stride(1), heads, batch, budget, plan_buf, programs,
-        codes, scales, codes.stride(0), scales.stride(0), scales.stride(-1),
-        SPLITS_P2=triton.next_power_of_2(min(MAX_SPLITS, fine * budget)), HEAD_DIM=dim, num_warps=4, PREPLAN=preplan,
-        FP8_MAX=FP8_MAX, AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, PDL=pdl, launch_pdl=pdl, QUANT_OUT=out_codes is not None,
-        SINGLE=single, **plan,
+        cache_seqlens, part_o, part_lse, out_ptr, stride_o_tok, stride_o_head, heads, batch, budget, plan_buf,
+        programs, *coded, HEAD_DIM=dim, num_warps=4, PREPLAN=preplan, PDL=pdl, launch_pdl=pdl, SINGLE=single,
+        **merge, **plan,
     )
     return out
+
+
+def decode_plan(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor, budget: int | None = None,
+                block_n: int = DEFAULT_BLOCK_N, fine: int = FINE, pdl: bool = PDL) -> torch.Tensor:
+    """The plan :func:`fp8_decode_attention` would write for these operands, written now (one launch), for every
+    call over the same lengths to read (``plan=``)."""
+    budget, programs = call_grid(q, k_cache, budget, fine)
+    return write_plan(cache_seqlens, budget, programs, block_n, fine, pdl and pdl_capable(q.device))
+

@@ -39,6 +39,13 @@ def grid_programs(batch: int, budget: int, fine: int = FINE) -> int:
     return fine * budget + batch
 
 
+def call_grid(q: torch.Tensor, k_cache: torch.Tensor, budget: int | None, fine: int) -> tuple[int, int]:
+    """(programs per KV head a wave, programs per KV head in the grid) for a call."""
+    if budget is None:
+        budget = work_budget(k_cache.shape[2], sm_count(q.device))
+    return budget, grid_programs(q.shape[0], budget, fine)
+
+
 def plan_splits(seqlens: list[int], budget: int, block_n: int = DEFAULT_BLOCK_N, fine: int = FINE) -> list[int]:
     """Splits per sequence as the kernel plans them (the host's mirror of ``_plan``): the fewest tiles per program
     with which all splits fit one wave of ``budget`` programs, if that is at most 4/3 of the step's tiles over

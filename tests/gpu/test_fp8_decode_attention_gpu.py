@@ -165,6 +165,81 @@ def test_dependent_launches_replay_the_plain_launchs_bits_in_a_chain_of_layers()
         assert all(torch.equal(a, b) for a, b in zip(replayed, plain)), new
 
 
+@pytest.mark.parametrize("batch,kv_heads,group,dim,page,lens", CASES)
+def test_merged_by_the_last_split_gives_the_default_bits(batch, kv_heads, group, dim, page, lens):
+    """fused_merge (each sequence's last split merges, no merge launch): the default's bits eager, and in a graph of
+    three layers (each layer's query the previous output) replayed 20 times at other lengths; the counts are back
+    at 0 after every call."""
+    from sglang_fp8rl.kernels.split_kv_plan_kernel import merge_counts
+
+    case = on_cuda(paged_case(batch + 200, batch, kv_heads, group, dim, page, lens))
+    assert torch.equal(run(case, fused_merge=True), run(case))
+    lens_t = case["cache_seqlens"]
+
+    def layers(fused: bool) -> list[torch.Tensor]:
+        q, outs = case["q"], []
+        for _ in range(3):
+            outs.append(run(dict(case, q=q), fused_merge=fused))
+            q = outs[-1].to(case["q"].dtype)
+        return outs
+
+    layers(True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = layers(True)
+    longest = max(lens)
+    gen = torch.Generator().manual_seed(batch)
+    for i in range(20):
+        new = torch.randint(0, longest + 1, (batch,), generator=gen, dtype=torch.int32) if i else lens_t.cpu()
+        lens_t.copy_(new)
+        graph.replay()
+        want = layers(False)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(replayed, want)), new.tolist()
+        assert not merge_counts(lens_t.device, batch * kv_heads)[: batch * kv_heads].any()
+
+
+def test_one_plan_a_step_replays_the_per_layer_plans_bits():
+    """step_plan through the dispatcher, as SGLang captures a batch size: two eager forwards on the capture's lengths
+    tensor, then the captured one, four layers each, each layer's query the previous layer's output; the graph
+    replayed at lengths refilled in place (longer ones too, which a stale plan would cut short) gives the per-layer
+    plan's bits, and the next eager step (a new lengths tensor) as well."""
+    from decode_attention_case import fa3_decode_kwargs
+
+    from sglang_fp8rl.kernels.attention_select import dispatching
+
+    def fa3(*args, **kwargs):
+        raise AssertionError("a plain FP8 decode call reached FA3")
+
+    case = on_cuda(paged_case(11, 8, 8, 4, 128, 1, [4096] * 8))
+    lens = case["cache_seqlens"]
+    shared, per_layer = dispatching(fa3, "split_kv", step_plan=True), dispatching(fa3, "split_kv", step_plan=False)
+
+    def forward(dispatch, lengths: torch.Tensor) -> list[torch.Tensor]:
+        q, outs = case["q"], []
+        for _ in range(4):
+            outs.append(dispatch(**fa3_decode_kwargs(case, q=q, cache_seqlens=lengths)))
+            q = outs[-1].to(case["q"].dtype)
+        return outs
+
+    lens.fill_(16)
+    for _ in range(2):
+        forward(shared, lens)  # SGLang's warm-up runs: eager, on the tensor the capture uses
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = forward(shared, lens)
+    for new in ([16] * 8, [1, 17, 128, 129, 1000, 2048, 3000, 4096], [4096] * 8, [0, 4096, 0, 7, 1, 1, 2, 3]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        want = forward(per_layer, lens)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(replayed, want)), new
+    fresh = torch.tensor([4096, 3000, 2048, 1000, 129, 128, 17, 1], dtype=torch.int32, device="cuda")
+    assert all(torch.equal(a, b) for a, b in zip(forward(shared, fresh), forward(per_layer, fresh)))
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 def test_the_output_codes_are_its_own_quantization(pdl):
     """out_codes (--fp8rl-producer-quant on, for o_proj): quant.quantize_activation_groups of the BF16 output, bit for

@@ -1,0 +1,60 @@
+"""One split-KV plan per decode step, shared by its layers (``STEP_PLAN``).
+
+Every layer of a decode step attends over the same lengths: SGLang's FA3 backend hands each layer's call the same
+``cache_seqlens`` tensor, its forward metadata's. The split-KV kernel's plan depends only on those lengths and on the
+call's grid (batch, KV heads, device), so the step's first call writes it (one launch) and the step's other calls
+read it, instead of one plan launch a layer (2.4-2.6 us each in a served step, docs/RESULTS.md sec. 27b, 36c).
+
+A plan is the step's while it was written for the same tensor object (SGLang makes a new one for every eager step),
+unchanged since (its version counter: SGLang refills a graph's static lengths in place), for the same grid, under
+the same CUDA-graph capture state. The last condition is the one a captured graph needs: SGLang runs a batch size's
+forward eagerly before capturing it, on the tensor the capture uses; the captured forward must write its own plan
+in its first layer, so that every replay writes it again for the lengths of that replay.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+# Off until measured on a GPU (scripts/gpu/bench_decode_attention.py --step-plan: a step's layers as calls in one
+# CUDA graph, one plan against one a layer; tests/gpu: a captured step replayed at new lengths gives the same bits)
+STEP_PLAN = False
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether work launched on ``device`` now is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class StepPlan:
+    """The plan of the decode step in flight: written by its first split-KV call, read by the others."""
+
+    def __init__(self) -> None:
+        self._lengths: weakref.ref | None = None
+        self._key: tuple[Any, ...] | None = None
+        self._plan: torch.Tensor | None = None
+
+    @staticmethod
+    def key(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor) -> tuple[Any, ...]:
+        """What a plan for these operands depends on besides the tensor object of the lengths."""
+        return (cache_seqlens._version, capturing(q.device), q.shape[0], k_cache.shape[2], q.device)
+
+    def kept(self, q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor) -> torch.Tensor | None:
+        """The plan an earlier call of this step wrote for these operands, or None."""
+        if self._plan is None or self._lengths is None or self._lengths() is not cache_seqlens:
+            return None
+        return self._plan if self._key == self.key(q, k_cache, cache_seqlens) else None
+
+    def plan(self, q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor) -> torch.Tensor:
+        """The step's plan for this call: the kept one, else one written now (one launch) and kept."""
+        kept = self.kept(q, k_cache, cache_seqlens)
+        if kept is not None:
+            return kept
+        from sglang_fp8rl.kernels.fp8_decode_attention import decode_plan  # Triton: on the first decode call
+
+        plan = decode_plan(q, k_cache, cache_seqlens)
+        self._lengths, self._key, self._plan = weakref.ref(cache_seqlens), self.key(q, k_cache, cache_seqlens), plan
+        return plan
