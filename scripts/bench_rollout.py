@@ -25,6 +25,9 @@ Opt-in (--configs), the FP8 KV cache of issue 15:
                                   decode at every batch size; the default, auto, takes it up to 8 sequences)
   fp8_online_blockwise_kv_bf16q   fp8_online_blockwise_kv + --fp8rl-decode-query bf16 (the split-KV kernel reads
                                   the BF16 query, no E4M3 cast launch)
+  fp8_online_blockwise_kv_forms   fp8_online_blockwise_kv + --fp8rl-split-kv-forms single_plan,step_plan,fused_merge
+                                  (the split-KV kernel with fewer launches: no plan launch at batch 1, one plan a
+                                  step, no merge launch)
   bf16_kv                         BF16 weights + --kv-cache-dtype fp8_e4m3 (SGLang's static scale 1.0)
   fp8_online_noselect             the plugin with SGLang's GEMM dispatch only (--fp8rl-gemm-select off)
 

@@ -23,6 +23,8 @@ from sglang_fp8rl.kernels.deepgemm import PRECOMPILE_ENV as DEEPGEMM_PRECOMPILE_
 from sglang_fp8rl.kernels.gemm_select import DEFAULT_BUDGET_S as DEFAULT_GEMM_TUNE_BUDGET_S
 from sglang_fp8rl.kernels.gemm_select import GEMM_SELECT_MODES, check_excluded
 from sglang_fp8rl.kernels.jit_warmup import AUTO_WORKERS as AUTO_JIT_WORKERS
+from sglang_fp8rl.kernels.split_kv_plan import DEFAULT_FORMS as DEFAULT_SPLIT_KV_FORMS
+from sglang_fp8rl.kernels.split_kv_plan import FORMS as SPLIT_KV_FORMS
 from sglang_fp8rl.quant import SCALE_FORMATS
 
 ENV_VAR = "FP8RL_OPTIONS"
@@ -51,6 +53,7 @@ class Fp8rlOptions:
     kv_write: str = "fused"
     decode_attention: str = "auto"
     decode_query: str = CAST_QUERY
+    split_kv_forms: tuple[str, ...] = DEFAULT_SPLIT_KV_FORMS
     producer_quant: str = "off"
 
     def __post_init__(self) -> None:
@@ -84,6 +87,11 @@ class Fp8rlOptions:
         if self.decode_query == UNCAST_QUERY and self.decode_attention == DECODE_ATTENTION_FA3:
             raise ValueError("--fp8rl-decode-query bf16 is for the split-KV kernel, which --fp8rl-decode-attention "
                              "fa3 turns off (use auto or split_kv)")
+        forms = self.split_kv_forms
+        if isinstance(forms, str) or not all(isinstance(f, str) for f in forms) \
+                or set(forms) - set(SPLIT_KV_FORMS):
+            raise ValueError(f"--fp8rl-split-kv-forms must name forms of {SPLIT_KV_FORMS}, got {forms!r}")
+        object.__setattr__(self, "split_kv_forms", tuple(dict.fromkeys(forms)))
         if self.producer_quant not in PRODUCER_QUANT_MODES:
             raise ValueError(f"--fp8rl-producer-quant must be one of {PRODUCER_QUANT_MODES}, "
                              f"got {self.producer_quant!r}")
@@ -219,11 +227,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "--fp8rl-decode-attention auto or split_kv.",
     )
     group.add_argument(
+        _flag("split_kv_forms"), type=_forms, default=None, metavar="FORM[,FORM...]",
+        help="Forms of the split-KV decode-attention kernel, each the same arithmetic with fewer launches: "
+             "single_plan (a batch of one plans inside the kernels), step_plan (one plan a decode step for all "
+             "layers), fused_merge (the last split of each sequence merges), or none. Default: "
+             f"{','.join(d.split_kv_forms) or 'none'}.",
+    )
+    group.add_argument(
         _flag("producer_quant"), choices=PRODUCER_QUANT_MODES, default=d.producer_quant,
         help="on = the RMSNorm before qkv / gate_up and the SiLU-and-multiply before down also write their output's "
              "1x128 FP8 quantization, so those block-FP8 linears launch no quantizer of their own (not with "
              "deterministic inference); off (default) = SGLang's norm and SiLU kernels, each linear quantizes.",
     )
+
+
+def _forms(text: str) -> tuple[str, ...]:
+    """--fp8rl-split-kv-forms: a comma-separated list, or none."""
+    return () if text.strip() == "none" else tuple(f.strip() for f in text.split(",") if f.strip())
 
 
 def options_from_namespace(args: argparse.Namespace) -> Fp8rlOptions:

@@ -25,7 +25,7 @@ from triton_interpreter import BF16_RNE_PREAMBLE, E4M3_RNE_PREAMBLE, QUANTIZER_P
 
 from sglang_fp8rl.hooks.attention import install_decode_attention
 from sglang_fp8rl.kernels import attention_select as sel
-from sglang_fp8rl.server_args import Fp8rlOptions, options_from_namespace, parse_args, set_options
+from sglang_fp8rl.server_args import Fp8rlOptions, get_options, options_from_namespace, parse_args, set_options
 
 CASE = paged_case(0, 2, 2, 4, 64, 1, [5, 3])
 
@@ -127,7 +127,7 @@ def test_a_kernel_that_does_not_build_sends_this_call_and_every_later_one_to_fa3
 
     tried = []
 
-    def unbuildable(kwargs, hand_over=False, plans=None):
+    def unbuildable(kwargs, hand_over=False, plans=None, forms=()):
         tried.append(kwargs)
         raise OutOfResources(232448, 101376, "shared memory")
 
@@ -251,7 +251,7 @@ STEP_PLAN_THROUGH_DISPATCHER = textwrap.dedent(
     long, short = [70, 1, 300], [50, 1, 200]
     lens = torch.tensor(short, dtype=torch.int32)  # the step's one lengths tensor, every layer's
     layers = [dict(paged_case(10 + i, 3, 2, 4, 128, 1, long), cache_seqlens=lens) for i in range(3)]
-    per_layer, shared = dispatching(fa3, "split_kv"), dispatching(fa3, "split_kv", step_plan=True)
+    per_layer, shared = dispatching(fa3, "split_kv"), dispatching(fa3, "split_kv", forms=("step_plan",))
 
     def step(cases, expected_writes):
         want = [per_layer(**fa3_decode_kwargs(c)) for c in cases]
@@ -393,6 +393,23 @@ def test_install_hands_the_output_codes_over_with_the_producers(fa3_module, capl
     assert ("its output's 1x128 codes go to o_proj" in caplog.text) == hands_over
 
 
+def test_install_hands_the_split_kv_forms_to_every_kernel_call(fa3_module, caplog, monkeypatch):
+    calls = []
+    monkeypatch.setattr(sel, "run_split_kv", lambda kwargs, hand_over=False, plans=None, forms=():
+                        calls.append((plans, forms)) or "kernel")
+    for forms in (("step_plan", "fused_merge"), ()):
+        set_options(decode_attention="auto", split_kv_forms=forms)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="sglang_fp8rl.hooks.attention"):
+            assert install_decode_attention(runner(fa3_module.FlashAttentionBackend())) == "installed"
+        assert f"forms: {', '.join(forms) or 'none'})" in caplog.text
+        assert fa3_module.flash_attn_with_kvcache(**plain()) == "kernel"
+        plans, passed = calls[-1]
+        assert passed == forms and (plans is not None) == ("step_plan" in forms)
+    with pytest.raises(ValueError, match=r"--fp8rl-split-kv-forms: unknown form\(s\) \['merge'\]"):
+        sel.dispatching(Recorder(), "auto", forms=("merge",))
+
+
 def test_install_on_another_backend(fa3_module):
     triton_backend = type("TritonAttnBackend", (), {})()
     hybrid = type("HybridAttnBackend", (), {})()
@@ -404,6 +421,23 @@ def test_install_on_another_backend(fa3_module):
     for backend in (triton_backend, hybrid):
         with pytest.raises(ValueError, match="--fp8rl-decode-attention split_kv: .*TritonAttnBackend"):
             install_decode_attention(runner(backend))
+
+
+def test_the_split_kv_forms_option():
+    from sglang_fp8rl.kernels.split_kv_plan import DEFAULT_FORMS, FORMS
+
+    assert parse_args([]).split_kv_forms == DEFAULT_FORMS == Fp8rlOptions().split_kv_forms
+    assert parse_args(["--fp8rl-split-kv-forms", "fused_merge, step_plan,fused_merge"]).split_kv_forms == \
+        ("fused_merge", "step_plan")
+    assert parse_args(["--fp8rl-split-kv-forms", "none"]).split_kv_forms == ()
+    assert set(FORMS) == {"single_plan", "step_plan", "fused_merge"}
+    for bad in (("merge",), "step_plan", (1,)):
+        with pytest.raises(ValueError, match="--fp8rl-split-kv-forms must name forms of"):
+            Fp8rlOptions(split_kv_forms=bad)
+    with pytest.raises(ValueError, match="--fp8rl-split-kv-forms"):
+        parse_args(["--fp8rl-split-kv-forms", "single_plan,merge"])
+    published = set_options(split_kv_forms=["single_plan"])  # JSON carries a list: read back as the tuple
+    assert published.split_kv_forms == ("single_plan",) and get_options() == published
 
 
 def test_the_option():

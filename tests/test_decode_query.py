@@ -182,7 +182,7 @@ def _bf16_query(batch: int) -> tuple[torch.Tensor, dict]:
 def test_the_kernel_reads_the_bf16_query_and_fa3_gets_sglangs_cast(backend_cls, monkeypatch):
     kernel_calls = []
     monkeypatch.setattr(sel, "run_split_kv",
-                        lambda kwargs, hand_over=False, plans=None: kernel_calls.append(kwargs) or "kernel")
+                        lambda kwargs, hand_over=False, plans=None, forms=(): kernel_calls.append(kwargs) or "kernel")
     fa3, sglang_fa3 = Recorder(), Recorder()
     kept, sglangs = backend_cls(sel.dispatching(fa3, "auto", query="bf16")), backend_cls(sglang_fa3)
     fa3_query.keep_decode_query(kept)

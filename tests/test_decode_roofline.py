@@ -402,6 +402,18 @@ def test_dry_run_prints_one_bench_process_per_config(capsys, tmp_path):
     assert settings["check_cells"] == [[8, 4096]] and settings["profile_cells"] == [[8, 4096], [128, 1024]]
 
 
+def test_the_decode_attention_configs_pass_flags_our_parser_takes(capsys, tmp_path):
+    from sglang_fp8rl.kernels.split_kv_plan import DEFAULT_FORMS, FORMS
+    from sglang_fp8rl.server_args import parse_args
+
+    assert DR.main(["--dry-run", "--out", str(tmp_path), "--model-dir", "/m", "--configs",
+                    "fp8_online_blockwise_kv_bf16q", "fp8_online_blockwise_kv_forms"]) == 0
+    cmds = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#") and ln.strip()]
+    bf16q, forms = (parse_args(cmd.split()) for cmd in cmds)
+    assert bf16q.decode_query == "bf16" and bf16q.split_kv_forms == DEFAULT_FORMS
+    assert forms.split_kv_forms == FORMS and forms.decode_query == "fp8"
+
+
 def test_config_timeouts_keep_time_for_later_configs(monkeypatch):
     a = DR.parse_args(["--deadline-s", "540", "--budget-s", "240", "--min-s", "75"])
     t0 = 1000.0

@@ -63,13 +63,15 @@ def install_decode_attention(runner: Any) -> str:
     backend = decode_backend(runner.attn_backend)
     query = query_form(backend, options.decode_query)
     # a dispatcher already there (a second install) is replaced, not wrapped: dispatching unwraps it
-    setattr(module, FA3_DECODE_FUNCTION, dispatching(getattr(module, FA3_DECODE_FUNCTION), mode, hand_over, query))
+    forms = options.split_kv_forms
+    setattr(module, FA3_DECODE_FUNCTION, dispatching(getattr(module, FA3_DECODE_FUNCTION), mode, hand_over, query,
+                                                     forms))
     if query == UNCAST_QUERY:  # only once the dispatcher that casts for FA3 is in place
         keep_decode_query(backend)
-    logger.info("[fp8rl] decode attention: plain FP8-KV decode calls of %s go to the split-KV kernel (%s)%s%s",
-                module.__name__, mode, "; its output's 1x128 codes go to o_proj (--fp8rl-producer-quant on)"
-                if hand_over else "", "; it reads the BF16 query, FA3's calls get it in E4M3 (--fp8rl-decode-query "
-                "bf16)" if query == UNCAST_QUERY else "")
+    logger.info("[fp8rl] decode attention: plain FP8-KV decode calls of %s go to the split-KV kernel (%s; forms: "
+                "%s)%s%s", module.__name__, mode, ", ".join(forms) or "none", "; its output's 1x128 codes go to "
+                "o_proj (--fp8rl-producer-quant on)" if hand_over else "", "; it reads the BF16 query, FA3's calls "
+                "get it in E4M3 (--fp8rl-decode-query bf16)" if query == UNCAST_QUERY else "")
     return "installed"
 
 

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from sglang_fp8rl.kernels import producers
-from sglang_fp8rl.kernels.step_plan import STEP_PLAN, StepPlan
+from sglang_fp8rl.kernels.split_kv_plan import DEFAULT_FORMS, FORMS
+from sglang_fp8rl.kernels.step_plan import StepPlan
 from sglang_fp8rl.quant import DEFAULT_GROUP_SIZE
 
 logger = logging.getLogger(__name__)
@@ -111,17 +112,20 @@ def choose(mode: str, kwargs: Mapping[str, Any]) -> tuple[str, str]:
     return SPLIT_KV, "plain decode over an E4M3 cache (split_kv)"
 
 
-def run_split_kv(kwargs: Mapping[str, Any], hand_over: bool = False, plans: StepPlan | None = None) -> Any:
+def run_split_kv(kwargs: Mapping[str, Any], hand_over: bool = False, plans: StepPlan | None = None,
+                 forms: tuple[str, ...] = DEFAULT_FORMS) -> Any:
     """The split-KV kernel on an FA3 call's operands (FA3's output layout: [tokens, heads, head_dim]). ``hand_over``
     (``--fp8rl-producer-quant on``): the kernel also writes its output's 1x128 codes, attached for o_proj
     (kernels/producers.py), where it allocates that output itself (a buffer the caller passes may be written by
     another kernel next, which would leave the codes stale) and the head dim is one group. ``plans``: the step's
-    plan, written by its first call and read by the others (kernels/step_plan.py)."""
-    from sglang_fp8rl.kernels.fp8_decode_attention import PREPLAN, SINGLE_PLAN, fp8_decode_attention
+    plan, written by its first call and read by the others (kernels/step_plan.py); ``forms``: the kernel's forms in
+    force (split_kv_plan.FORMS)."""
+    from sglang_fp8rl.kernels.fp8_decode_attention import PREPLAN, fp8_decode_attention
 
     q = kwargs["q"]
+    single = "single_plan" in forms
     plan = None
-    if plans is not None and PREPLAN and not (SINGLE_PLAN and q.shape[0] == 1):
+    if plans is not None and PREPLAN and not (single and q.shape[0] == 1):
         plan = plans.plan(q, kwargs["k_cache"], kwargs["cache_seqlens"])
     out_codes = None
     if hand_over and kwargs.get("out") is None and q.dim() == 3 and q.shape[2] == DEFAULT_GROUP_SIZE:
@@ -131,7 +135,8 @@ def run_split_kv(kwargs: Mapping[str, Any], hand_over: bool = False, plans: Step
         out_codes = empty_codes(q.shape[0], q.shape[1] * q.shape[2], q.device, "tma")
     out = fp8_decode_attention(q, kwargs["k_cache"], kwargs["v_cache"], kwargs["page_table"],
                                kwargs["cache_seqlens"], kwargs["softmax_scale"], kwargs["k_descale"],
-                               kwargs["v_descale"], out=kwargs.get("out"), out_codes=out_codes, plan=plan)
+                               kwargs["v_descale"], out=kwargs.get("out"), out_codes=out_codes, plan=plan,
+                               single_plan=single, fused_merge="fused_merge" in forms)
     return producers.attach(out, *out_codes) if out_codes is not None else out
 
 
@@ -146,14 +151,17 @@ def cast_query(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def dispatching(original: Callable, mode: str, hand_over: bool = False, query: str = CAST_QUERY,
-                step_plan: bool = STEP_PLAN) -> Callable:
+                forms: tuple[str, ...] = DEFAULT_FORMS) -> Callable:
     """``original`` (FA3's ``flash_attn_with_kvcache``) with plain FP8 decode calls sent to the split-KV kernel
     (``hand_over``: see :func:`run_split_kv`; ``query`` "bf16": decode queries arrive uncast, and the calls that go to
-    FA3 are cast here first, see :func:`cast_query`; ``step_plan``: one plan a step for all its layers)."""
+    FA3 are cast here first, see :func:`cast_query`; ``forms``: the kernel's forms, split_kv_plan.FORMS)."""
     if query not in QUERY_MODES:
         raise ValueError(f"--fp8rl-decode-query must be one of {QUERY_MODES}, got {query!r}")
+    unknown = sorted(set(forms) - set(FORMS))
+    if unknown:
+        raise ValueError(f"--fp8rl-split-kv-forms: unknown form(s) {unknown}; the forms are {FORMS}")
     original = original_of(original) or original  # a dispatcher is replaced, never wrapped
-    plans = StepPlan() if step_plan else None
+    plans = StepPlan() if "step_plan" in forms else None
     logged: set[tuple[str, str]] = set()
     unbuildable: list[str] = []  # the kernel failed to build here once: FA3 from then on
 
@@ -174,7 +182,7 @@ def dispatching(original: Callable, mode: str, hand_over: bool = False, query: s
             from sglang_fp8rl.kernels.fp8_decode_attention import BUILD_ERRORS
 
             try:
-                return run_split_kv(kwargs, hand_over, plans)
+                return run_split_kv(kwargs, hand_over, plans, forms)
             except BUILD_ERRORS as e:  # its outputs are unwritten: FA3 computes this call from the same operands
                 unbuildable.append(f"the split-KV kernel does not build on this GPU: {type(e).__name__}: {e}")
                 logger.warning("[fp8rl] decode attention: FA3 for every call from now on (%s)", unbuildable[0])

@@ -54,6 +54,7 @@ from sglang_fp8rl.kernels.pdl import INTERPRETED  # the interpreter widens V the
 from sglang_fp8rl.kernels.pdl import capable as pdl_capable
 from sglang_fp8rl.kernels.split_kv_plan import (  # noqa: F401 - the plan's names, re-exported for the kernel's users
     DEFAULT_BLOCK_N,
+    DEFAULT_FORMS,
     FINE,
     HEAD_DIMS,
     MAX_SPLITS,
@@ -100,12 +101,12 @@ V_WIDEN_TILE = False
 PDL = True
 # a batch of one sequence (the tail of a rollout, its batch-1 graph) plans its splits in closed form inside both
 # kernels, so no plan launch runs before them (``_single_plan``: the plan of ``_plan`` for one length, the same bits).
-# Off until measured on a GPU (scripts/gpu/bench_decode_attention.py --single-plan compares it with the default)
-SINGLE_PLAN = False
+# scripts/gpu/bench_decode_attention.py --single-plan compares it with the default
+SINGLE_PLAN = "single_plan" in DEFAULT_FORMS
 # the sequence's last split to finish merges its partial results (an atomic count per sequence and KV head), so no
-# merge launch follows the split launch; the same arithmetic as the merge kernel's. Off until measured on a GPU
+# merge launch follows the split launch; the same arithmetic as the merge kernel's
 # (scripts/gpu/bench_decode_attention.py --fused-merge compares it with the default)
-FUSED_MERGE = False
+FUSED_MERGE = "fused_merge" in DEFAULT_FORMS
 # what a launch raises when Triton cannot build the kernel for this GPU (its shared memory, an unsupported op): the
 # caller may run another kernel instead; a kernel that compiled never raises these
 BUILD_ERRORS = (CompilationError, OutOfResources)

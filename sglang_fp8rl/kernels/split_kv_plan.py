@@ -29,6 +29,12 @@ RESIDENT_PER_SM = 2
 # programs this many times smaller over several waves: in the H100 sweep of ragged batches (docs/RESULTS.md sec. 24b)
 # three times the one-wave budget was the fastest budget tried at 32-128 sequences, 1.18-1.22x faster than one wave's
 FINE = 3
+# the kernel's optional forms, each the same arithmetic with fewer launches, that a server turns on with
+# --fp8rl-split-kv-forms: single_plan (a batch of one plans in closed form inside both kernels, no plan launch),
+# step_plan (one plan a decode step for all its layers, kernels/step_plan.py), fused_merge (the last split of each
+# sequence merges the splits, no merge launch). On by default once measured faster on a GPU: none yet
+FORMS = ("single_plan", "step_plan", "fused_merge")
+DEFAULT_FORMS: tuple[str, ...] = ()
 def work_budget(kv_heads: int, sms: int, per_sm: int = RESIDENT_PER_SM) -> int:
     """Programs per KV head that one wave of resident programs holds: the step's tiles are shared among this many."""
     return max(1, sms * per_sm // max(1, kv_heads))

@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
-# Off until measured on a GPU (scripts/gpu/bench_decode_attention.py --step-plan: a step's layers as calls in one
-# CUDA graph, one plan against one a layer; tests/gpu: a captured step replayed at new lengths gives the same bits)
-STEP_PLAN = False
+from sglang_fp8rl.kernels.split_kv_plan import DEFAULT_FORMS
+
+# scripts/gpu/bench_decode_attention.py --step-plan: a step's layers as calls in one CUDA graph, one plan against one
+# a layer; tests/gpu: a captured step replayed at new lengths gives the per-layer plan's bits
+STEP_PLAN = "step_plan" in DEFAULT_FORMS
 
 
 def capturing(device: torch.device) -> bool:

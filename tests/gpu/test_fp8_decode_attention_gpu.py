@@ -214,7 +214,7 @@ def test_one_plan_a_step_replays_the_per_layer_plans_bits():
 
     case = on_cuda(paged_case(11, 8, 8, 4, 128, 1, [4096] * 8))
     lens = case["cache_seqlens"]
-    shared, per_layer = dispatching(fa3, "split_kv", step_plan=True), dispatching(fa3, "split_kv", step_plan=False)
+    shared, per_layer = dispatching(fa3, "split_kv", forms=("step_plan",)), dispatching(fa3, "split_kv", forms=())
 
     def forward(dispatch, lengths: torch.Tensor) -> list[torch.Tensor]:
         q, outs = case["q"], []
