@@ -358,7 +358,7 @@ def fp8_decode_attention(
         plan = write_plan(cache_seqlens, budget, programs, block_n, fine, pdl)
     # without preplan the kernels never read plan_ptr: any int32 tensor will do, nothing is allocated
     plan_buf = plan if preplan else cache_seqlens
-    plan = plan_constants(batch, block_n, fine)
+    planning = plan_constants(batch, block_n, fine)
     out3 = out.view(batch, heads, dim)
     codes, scales = out_codes if out_codes is not None else (out3, part_lse)  # not written without QUANT_OUT
     merged = (out3, out3.stride(0), out3.stride(1), codes, scales, codes.stride(0), scales.stride(0), scales.stride(-1))
@@ -375,7 +375,7 @@ def fp8_decode_attention(
         float(softmax_scale) * LOG2E, heads, batch, budget, plan_buf, programs, counts, *merged,
         PAGE_SIZE=page_size, GROUP=group, BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)), HEAD_DIM=dim,
         num_warps=num_warps, num_stages=num_stages, PREPLAN=preplan, V_WIDEN_TILE=v_widen_tile and not INTERPRETED,
-        PDL=pdl, launch_pdl=pdl, SINGLE=single, FUSED_MERGE=fused_merge, **merge, **plan,
+        PDL=pdl, launch_pdl=pdl, SINGLE=single, FUSED_MERGE=fused_merge, **merge, **planning,
     )
     if fused_merge:
         return out
@@ -383,7 +383,7 @@ def fp8_decode_attention(
     _decode_attn_merge_kernel[(batch, heads)](
         cache_seqlens, part_o, part_lse, out_ptr, stride_o_tok, stride_o_head, heads, batch, budget, plan_buf,
         programs, *coded, HEAD_DIM=dim, num_warps=4, PREPLAN=preplan, PDL=pdl, launch_pdl=pdl, SINGLE=single,
-        **merge, **plan,
+        **merge, **planning,
     )
     return out
 
