@@ -168,8 +168,8 @@ def test_dependent_launches_replay_the_plain_launchs_bits_in_a_chain_of_layers()
 @pytest.mark.parametrize("batch,kv_heads,group,dim,page,lens", CASES)
 def test_merged_by_the_last_split_gives_the_default_bits(batch, kv_heads, group, dim, page, lens):
     """fused_merge (each sequence's last split merges, no merge launch): the default's bits eager, and in a graph of
-    three layers (each layer's query the previous output) replayed 20 times at other lengths; the counts are back
-    at 0 after every call."""
+    three layers (each layer's query the previous output) replayed 20 times at other lengths, each within its pages;
+    the counts of eager calls are back at 0 after every call."""
     from sglang_fp8rl.kernels.split_kv_plan_kernel import merge_counts
 
     case = on_cuda(paged_case(batch + 200, batch, kv_heads, group, dim, page, lens))
@@ -188,15 +188,15 @@ def test_merged_by_the_last_split_gives_the_default_bits(batch, kv_heads, group,
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = layers(True)
-    longest = max(lens)
     gen = torch.Generator().manual_seed(batch)
-    for i in range(20):
-        new = torch.randint(0, longest + 1, (batch,), generator=gen, dtype=torch.int32) if i else lens_t.cpu()
+    for i in range(20):  # each sequence at most as long as its pages hold
+        new = torch.tensor([int(torch.randint(0, n + 1, (1,), generator=gen)) if i else n for n in lens],
+                           dtype=torch.int32)
         lens_t.copy_(new)
         graph.replay()
-        want = layers(False)
+        want, eager = layers(False), layers(True)
         torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(replayed, want)), new.tolist()
+        assert all(torch.equal(a, b) and torch.equal(b, c) for a, b, c in zip(replayed, want, eager)), new.tolist()
         assert not merge_counts(lens_t.device, batch * kv_heads)[: batch * kv_heads].any()
 
 
