@@ -278,6 +278,11 @@ STEP_PLAN_THROUGH_DISPATCHER = textwrap.dedent(
     # one KV head: another grid, its own plan; the layer after it writes the first grid's plan again
     other = dict(paged_case(20, 3, 1, 8, 128, 1, long), cache_seqlens=fresh)
     step([dict(layers[0], cache_seqlens=fresh), other, dict(layers[1], cache_seqlens=fresh)], [long] * 2)
+    # lengths made under torch.inference_mode() (SGLANG_ENABLE_TORCH_INFERENCE_MODE) have no version counter: an
+    # in-place refill could not be told, so every call writes its plan
+    with torch.inference_mode():
+        frozen = torch.tensor(long, dtype=torch.int32)
+        step([dict(c, cache_seqlens=frozen) for c in layers], [long] * 3)
     try:
         fda.fp8_decode_attention(c["q"], c["k_cache"], c["v_cache"], c["page_table"], lens, c["softmax_scale"],
                                  c["k_descale"], c["v_descale"], plan=stale[:-1])

@@ -165,6 +165,25 @@ def test_codes_are_handed_over_through_a_reshape_and_never_after_an_in_place_wri
     assert producers.quantized_input(again) is None
 
 
+def test_under_inference_mode_the_producers_compute_as_before_and_hand_nothing_over():
+    """SGLANG_ENABLE_TORCH_INFERENCE_MODE: the forward's tensors are inference tensors, without the version counter
+    that tells an in-place write; a wired norm and SiLU still give SGLang's output and hand no codes over (their
+    linears quantize as before), and no call raises."""
+    model = torch.nn.Module()
+    model.layer = decoder_layer(256, 384)
+    assert hook.install(model, None) == 3
+    norm, silu = model.layer.input_layernorm, model.layer.mlp.act_fn
+    x, r = bf16(4, 256, seed=14), bf16(4, 256, seed=15)
+    with torch.inference_mode():
+        out, residual = norm(x.clone(), r.clone())
+        gate_up = bf16(4, 768, seed=16).clone()
+        assert out.is_inference() and producers.quantized_input(out) is None
+        assert producers.quantized_input(silu(gate_up)) is None
+        assert producers.quantized_input(producers.attach(out.clone(), torch.empty(4, 256), "scales")) is None
+    ref_out, ref_residual = RMSNorm.forward_native(norm, x.clone(), r.clone())
+    assert torch.equal(out, ref_out) and torch.equal(residual, ref_residual)
+
+
 def test_the_reference_linear_computes_with_the_handed_codes():
     layer = linear(128, 256)
     wq, ws = quantize_blockwise(bf16(128, 256, seed=8))

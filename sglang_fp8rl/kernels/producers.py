@@ -20,6 +20,7 @@ import logging
 import torch
 
 from sglang_fp8rl.kernels import pdl
+from sglang_fp8rl.kernels.tensor_version import version_counter
 from sglang_fp8rl.quant import DEFAULT_GROUP_SIZE, quantize_activation_groups
 
 ATTR = "_fp8rl_quantized"  # a Handed on the storage of a producer's BF16 output
@@ -39,8 +40,11 @@ class Handed:
 
 def attach(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``out`` carrying its own quantization for the linear that reads it next (``out`` a fresh, contiguous
-    allocation of the producer's: nothing else writes its storage)."""
-    setattr(out.untyped_storage(), ATTR, Handed(codes, scales, out._version, out.storage_offset(), out.numel()))
+    allocation of the producer's: nothing else writes its storage); an inference tensor carries none (no version
+    counter to tell a later in-place write by), and its linear quantizes as before."""
+    version = version_counter(out)
+    if version is not None:
+        setattr(out.untyped_storage(), ATTR, Handed(codes, scales, version, out.storage_offset(), out.numel()))
     return out
 
 
@@ -50,7 +54,7 @@ def quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     if torch.compiler.is_compiling() or not x.is_contiguous():
         return None
     handed = vars(x.untyped_storage()).get(ATTR)
-    if (handed is None or handed.version != x._version or handed.offset != x.storage_offset()
+    if (handed is None or handed.version != version_counter(x) or handed.offset != x.storage_offset()
             or handed.numel != x.numel() or x.shape[-1] != handed.codes.shape[-1]):
         return None
     return handed.codes, handed.scales

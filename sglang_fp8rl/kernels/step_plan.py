@@ -6,7 +6,8 @@ call's grid (batch, KV heads, device), so the step's first call writes it (one l
 read it, instead of one plan launch a layer (2.4-2.6 us each in a served step, docs/RESULTS.md sec. 27b, 36c).
 
 A plan is the step's while it was written for the same tensor object (SGLang makes a new one for every eager step),
-unchanged since (its version counter: SGLang refills a graph's static lengths in place), for the same grid, under
+unchanged since (its version counter: SGLang refills a graph's static lengths in place; a tensor made under
+``torch.inference_mode()`` has none, and gets a plan of its own at every call), for the same grid, under
 the same CUDA-graph capture state. The last condition is the one a captured graph needs: SGLang runs a batch size's
 forward eagerly before capturing it, on the tensor the capture uses; the captured forward must write its own plan
 in its first layer, so that every replay writes it again for the lengths of that replay.
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from sglang_fp8rl.kernels.split_kv_plan import DEFAULT_FORMS
+from sglang_fp8rl.kernels.tensor_version import version_counter
 
 # scripts/gpu/bench_decode_attention.py --step-plan: a step's layers as calls in one CUDA graph, one plan against one
 # a layer; tests/gpu: a captured step replayed at new lengths gives the per-layer plan's bits
@@ -42,11 +44,13 @@ class StepPlan:
     @staticmethod
     def key(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor) -> tuple[Any, ...]:
         """What a plan for these operands depends on besides the tensor object of the lengths."""
-        return (cache_seqlens._version, capturing(q.device), q.shape[0], k_cache.shape[2], q.device)
+        return (version_counter(cache_seqlens), capturing(q.device), q.shape[0], k_cache.shape[2], q.device)
 
     def kept(self, q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor) -> torch.Tensor | None:
-        """The plan an earlier call of this step wrote for these operands, or None."""
-        if self._plan is None or self._lengths is None or self._lengths() is not cache_seqlens:
+        """The plan an earlier call of this step wrote for these operands, or None (always for lengths without a
+        version counter: an in-place refill could not be told)."""
+        if self._plan is None or self._lengths is None or self._lengths() is not cache_seqlens \
+                or version_counter(cache_seqlens) is None:
             return None
         return self._plan if self._key == self.key(q, k_cache, cache_seqlens) else None
 
