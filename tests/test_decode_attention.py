@@ -251,7 +251,7 @@ STEP_PLAN_THROUGH_DISPATCHER = textwrap.dedent(
     long, short = [70, 1, 300], [50, 1, 200]
     lens = torch.tensor(short, dtype=torch.int32)  # the step's one lengths tensor, every layer's
     layers = [dict(paged_case(10 + i, 3, 2, 4, 128, 1, long), cache_seqlens=lens) for i in range(3)]
-    per_layer, shared = dispatching(fa3, "split_kv"), dispatching(fa3, "split_kv", forms=("step_plan",))
+    per_layer, shared = dispatching(fa3, "split_kv", forms=()), dispatching(fa3, "split_kv", forms=("step_plan",))
 
     def step(cases, expected_writes):
         want = [per_layer(**fa3_decode_kwargs(c)) for c in cases]

@@ -125,7 +125,7 @@ SINGLE_PLAN_CHECK = PREAMBLE + textwrap.dedent(
                                                                   (128, 4, 129, 7, 32), (64, 1, 250, 3, 64)]):
         case = paged_case(seed, 1, 2, 4, dim, page, [length], scalar_descale=seed % 2 == 0)
         for kw in (dict(budget=budget, block_n=block_n), dict(budget=budget, block_n=block_n, preplan=False)):
-            assert torch.equal(run(case, single_plan=True, **kw), run(case, **kw)), (seed, kw)
+            assert torch.equal(run(case, single_plan=True, **kw), run(case, single_plan=False, **kw)), (seed, kw)
         if dim == 128:
             codes = [(torch.zeros(1, 8 * 128).to(torch.float8_e4m3fn), empty_scales(1, 8 * 128, torch.device("cpu"),
                                                                                      "row")) for _ in range(2)]
@@ -133,7 +133,7 @@ SINGLE_PLAN_CHECK = PREAMBLE + textwrap.dedent(
             assert torch.equal(outs[0], outs[1]) and torch.equal(codes[0][1], codes[1][1]), seed
             assert torch.equal(codes[0][0].view(torch.uint8), codes[1][0].view(torch.uint8)), seed
     two = paged_case(9, 2, 2, 4, 64, 1, [300, 3])
-    assert torch.equal(run(two, single_plan=True, budget=5), run(two, budget=5))
+    assert torch.equal(run(two, single_plan=True, budget=5), run(two, single_plan=False, budget=5))
     for bad in ("yes", 1):
         try:
             run(two, single_plan=bad)
@@ -156,7 +156,8 @@ FUSED_MERGE_CHECK = PREAMBLE + textwrap.dedent(
             (3, 2, 4, 128, 1, [300, 3, 129], 5), (1, 2, 4, 128, 1, [300], None), (4, 1, 8, 64, 4, [0, 250, 64, 1], 3),
             (2, 4, 2, 64, 16, [97, 0], 64)]):
         case = paged_case(seed, batch, kv_heads, group, dim, page, lens)
-        for kw in (dict(), dict(preplan=False), dict(single_plan=True), dict(out=torch.empty(case["q"].shape))):
+        for kw in (dict(single_plan=False), dict(preplan=False), dict(single_plan=True),
+                   dict(out=torch.empty(case["q"].shape))):
             want = run(case, budget=budget, **{k: (v.clone() if k == "out" else v) for k, v in kw.items()})
             got = run(case, budget=budget, fused_merge=True, **kw)
             assert torch.equal(got, want), (seed, kw)

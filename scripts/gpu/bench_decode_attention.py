@@ -164,6 +164,7 @@ def fa3_calls(cell: Cell, fp8: bool):
 OPTIONAL_KERNELS = {"fi_fp8": "FlashInfer FP8", "split_kv_vtile": "split-KV, V widened on its tile",
                     "split_kv_pdl": "split-KV, dependent launches", "split_kv_plain": "split-KV, plain launches",
                     "split_kv_single": "split-KV, one sequence planned in the kernels",
+                    "split_kv_planned": "split-KV, one sequence planned by its own launch",
                     "split_kv_step": "split-KV, one plan a step",
                     "split_kv_fused": "split-KV, merged by the last split",
                     "split_kv_fused_step": "split-KV, merged by the last split, one plan a step"}
@@ -171,7 +172,8 @@ OPTIONAL_KERNELS = {"fi_fp8": "FlashInfer FP8", "split_kv_vtile": "split-KV, V w
 # launch form the default does not use (dependent launches are the default on Hopper since docs/RESULTS.md 35d)
 SPLIT_KV_FORMS = (("split_kv_vtile", "v_widen_tile", {"v_widen_tile": True}),
                   ("split_kv_plain" if FDA.PDL else "split_kv_pdl", "pdl", {"pdl": not FDA.PDL}),
-                  ("split_kv_single", "single_plan", {"single_plan": True}),
+                  ("split_kv_planned" if FDA.SINGLE_PLAN else "split_kv_single", "single_plan",
+                   {"single_plan": not FDA.SINGLE_PLAN}),
                   ("split_kv_step", "step_plan", {"step_plan": True}),
                   ("split_kv_fused", "fused_merge", {"fused_merge": True}),
                   ("split_kv_fused_step", "fused_merge", {"fused_merge": True, "step_plan": True}))
@@ -180,8 +182,8 @@ FORM_OPTIONS = {
     "v_widen_tile": "with V widened on its tile (fp8_decode_attention.V_WIDEN_TILE)",
     "pdl": "with its launches in the form the default does not use (plain or programmatic dependent launches, "
            "fp8_decode_attention.PDL)",
-    "single_plan": "at one sequence, planning in closed form inside its two kernels, without the plan launch "
-                   "(fp8_decode_attention.SINGLE_PLAN)",
+    "single_plan": "at one sequence, in the plan form the default does not use: planned in closed form inside its "
+                   "two kernels, or by the plan launch (fp8_decode_attention.SINGLE_PLAN)",
     "step_plan": "with one plan for all the calls of a graph, the layers of a step (kernels/step_plan.py, STEP_PLAN)",
     "fused_merge": "with the last split of each sequence merging, no merge launch (fp8_decode_attention.FUSED_MERGE), "
                    "alone and with one plan a step",

@@ -18,11 +18,11 @@ TB/s (docs/RESULTS.md sec. 21a), so half the bytes bought 1.1-1.3x. This kernel 
   is read by many programs, not by one that the whole step waits for. The grid is fixed per batch size
   (``grid_programs``), so a CUDA graph captured at one context replays at any lengths;
 * a second launch merges each sequence's splits by their log-sum-exp, in split order (deterministic); with
-  ``fused_merge`` (``FUSED_MERGE``, off until measured) the last split of each (sequence, KV head) to finish does
-  that merge itself, counted by one atomic a split, and no merge launch runs;
+  ``fused_merge`` (``FUSED_MERGE``, off: slower on an H100, sec. 37) the last split of each (sequence, KV head) to
+  finish does that merge itself, counted by one atomic a split, and no merge launch runs;
 * a first, small launch writes the plan (``_decode_attn_plan_kernel``) and both kernels read their part of it:
   three loads a program (``preplan``, the default since the H200 sweep of docs/RESULTS.md sec. 26a); a batch of one
-  can instead plan in closed form inside both kernels (``single_plan``, ``SINGLE_PLAN``, off until measured);
+  plans in closed form inside both kernels instead (``single_plan``, ``SINGLE_PLAN``, on: sec. 37);
   ``preplan=False`` computes the plan in every program of both launches instead (the same plan, so the same bits):
   the benchmark's baseline. In a served step the plan launch costs 2.6 us a layer (sec. 27b); a plan written once
   serves every layer of a step (``plan=``, :func:`decode_plan`; the dispatcher's kernels/step_plan.py).

@@ -32,9 +32,12 @@ FINE = 3
 # the kernel's optional forms, each the same arithmetic with fewer launches, that a server turns on with
 # --fp8rl-split-kv-forms: single_plan (a batch of one plans in closed form inside both kernels, no plan launch),
 # step_plan (one plan a decode step for all its layers, kernels/step_plan.py), fused_merge (the last split of each
-# sequence merges the splits, no merge launch). On by default once measured faster on a GPU: none yet
+# sequence merges the splits, no merge launch). On by default those measured faster with the same bits, per call on
+# an H100 (scripts/gpu/bench_decode_attention.py, docs/RESULTS.md sec. 37): single_plan 9.8 against 11.7 us at
+# 1 x 4096; step_plan 0.4-2.1 us less a call at 1-128 sequences; fused_merge 4-34 % slower (the last split merges
+# the group's heads one after the other), so off
 FORMS = ("single_plan", "step_plan", "fused_merge")
-DEFAULT_FORMS: tuple[str, ...] = ()
+DEFAULT_FORMS: tuple[str, ...] = ("single_plan", "step_plan")
 def work_budget(kv_heads: int, sms: int, per_sm: int = RESIDENT_PER_SM) -> int:
     """Programs per KV head that one wave of resident programs holds: the step's tiles are shared among this many."""
     return max(1, sms * per_sm // max(1, kv_heads))
