@@ -16,10 +16,11 @@ to FA3 (a [1] tensor expanded to [batch, kv_heads]). Per cell (running batch x c
   split_kv_plain / split_kv_pdl  with --pdl: the default with its three launches in the other form, plain where
               the default is programmatic dependent launches (fp8_decode_attention.PDL, on), else dependent (the
               graph's copies run back to back, so each call's launch overlaps the one before), and its bits
-  split_kv_single  with --single-plan, at one sequence: the default planning in closed form inside its two kernels,
-              without the plan launch (fp8_decode_attention.SINGLE_PLAN), and its bits
+  split_kv_single / split_kv_planned  with --single-plan, at one sequence: the plan form the default does not use
+              (fp8_decode_attention.SINGLE_PLAN): planned in closed form inside its two kernels, without the plan
+              launch, or by the plan launch; and its bits
   split_kv_step  with --step-plan: the default with one plan for all the graph's calls (the layers of a step), as the
-              dispatcher keeps it (kernels/step_plan.py, STEP_PLAN): written by the first call, read by the others
+              dispatcher keeps it (kernels/step_plan.py): written by the first call, read by the others
   split_kv_fused / split_kv_fused_step  with --fused-merge: the default with the last split of each sequence merging
               (fp8_decode_attention.FUSED_MERGE, no merge launch), alone and with one plan a step, and their bits
 
@@ -184,7 +185,7 @@ FORM_OPTIONS = {
            "fp8_decode_attention.PDL)",
     "single_plan": "at one sequence, in the plan form the default does not use: planned in closed form inside its "
                    "two kernels, or by the plan launch (fp8_decode_attention.SINGLE_PLAN)",
-    "step_plan": "with one plan for all the calls of a graph, the layers of a step (kernels/step_plan.py, STEP_PLAN)",
+    "step_plan": "with one plan for all the calls of a graph, the layers of a step (kernels/step_plan.py)",
     "fused_merge": "with the last split of each sequence merging, no merge launch (fp8_decode_attention.FUSED_MERGE), "
                    "alone and with one plan a step",
 }

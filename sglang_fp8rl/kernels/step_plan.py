@@ -1,4 +1,4 @@
-"""One split-KV plan per decode step, shared by its layers (``STEP_PLAN``).
+"""One split-KV plan per decode step, shared by its layers (the ``step_plan`` form of split_kv_plan.FORMS).
 
 Every layer of a decode step attends over the same lengths: SGLang's FA3 backend hands each layer's call the same
 ``cache_seqlens`` tensor, its forward metadata's. The split-KV kernel's plan depends only on those lengths and on the
@@ -20,12 +20,7 @@ from typing import Any
 
 import torch
 
-from sglang_fp8rl.kernels.split_kv_plan import DEFAULT_FORMS
 from sglang_fp8rl.kernels.tensor_version import version_counter
-
-# scripts/gpu/bench_decode_attention.py --step-plan: a step's layers as calls in one CUDA graph, one plan against one
-# a layer; tests/gpu: a captured step replayed at new lengths gives the per-layer plan's bits
-STEP_PLAN = "step_plan" in DEFAULT_FORMS
 
 
 def capturing(device: torch.device) -> bool:
@@ -43,24 +38,25 @@ class StepPlan:
 
     @staticmethod
     def key(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor) -> tuple[Any, ...]:
-        """What a plan for these operands depends on besides the tensor object of the lengths."""
+        """What a plan for these operands depends on besides the tensor object of the lengths (first: the lengths'
+        version counter, None where they have none)."""
         return (version_counter(cache_seqlens), capturing(q.device), q.shape[0], k_cache.shape[2], q.device)
 
-    def kept(self, q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor) -> torch.Tensor | None:
-        """The plan an earlier call of this step wrote for these operands, or None (always for lengths without a
-        version counter: an in-place refill could not be told)."""
-        if self._plan is None or self._lengths is None or self._lengths() is not cache_seqlens \
-                or version_counter(cache_seqlens) is None:
+    def kept(self, cache_seqlens: torch.Tensor, key: tuple[Any, ...]) -> torch.Tensor | None:
+        """The plan an earlier call of this step wrote for these lengths and ``key``, or None (always for lengths
+        without a version counter: an in-place refill could not be told)."""
+        if self._lengths is None or self._lengths() is not cache_seqlens or key[0] is None or key != self._key:
             return None
-        return self._plan if self._key == self.key(q, k_cache, cache_seqlens) else None
+        return self._plan
 
     def plan(self, q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor) -> torch.Tensor:
         """The step's plan for this call: the kept one, else one written now (one launch) and kept."""
-        kept = self.kept(q, k_cache, cache_seqlens)
+        key = self.key(q, k_cache, cache_seqlens)
+        kept = self.kept(cache_seqlens, key)
         if kept is not None:
             return kept
         from sglang_fp8rl.kernels.fp8_decode_attention import decode_plan  # Triton: on the first decode call
 
         plan = decode_plan(q, k_cache, cache_seqlens)
-        self._lengths, self._key, self._plan = weakref.ref(cache_seqlens), self.key(q, k_cache, cache_seqlens), plan
+        self._lengths, self._key, self._plan = weakref.ref(cache_seqlens), key, plan
         return plan
