@@ -278,6 +278,9 @@ STEP_PLAN_THROUGH_DISPATCHER = textwrap.dedent(
     # one KV head: another grid, its own plan; the layer after it writes the first grid's plan again
     other = dict(paged_case(20, 3, 1, 8, 128, 1, long), cache_seqlens=fresh)
     step([dict(layers[0], cache_seqlens=fresh), other, dict(layers[1], cache_seqlens=fresh)], [long] * 2)
+    # an empty batch (a DP-attention rank without requests): no plan, an empty output, and the kernel still taken
+    empty = {k: (v[:0] if k in ("q", "page_table", "k_descale", "v_descale") else v) for k, v in c.items()}
+    step([dict(empty, cache_seqlens=lens[:0])], [])
     # lengths made under torch.inference_mode() (SGLANG_ENABLE_TORCH_INFERENCE_MODE) have no version counter: an
     # in-place refill could not be told, so every call writes its plan
     with torch.inference_mode():

@@ -125,7 +125,8 @@ def run_split_kv(kwargs: Mapping[str, Any], hand_over: bool = False, plans: Step
     q = kwargs["q"]
     single = "single_plan" in forms
     plan = None
-    if plans is not None and PREPLAN and not (single and q.shape[0] == 1):
+    # the kernel plans nothing for an empty batch (a DP-attention rank with no request) nor where it plans inside
+    if plans is not None and PREPLAN and q.shape[0] > 0 and not (single and q.shape[0] == 1):
         plan = plans.plan(q, kwargs["k_cache"], kwargs["cache_seqlens"])
     out_codes = None
     if hand_over and kwargs.get("out") is None and q.dim() == 3 and q.shape[2] == DEFAULT_GROUP_SIZE:
