@@ -407,11 +407,13 @@ def test_the_decode_attention_configs_pass_flags_our_parser_takes(capsys, tmp_pa
     from sglang_fp8rl.server_args import parse_args
 
     assert DR.main(["--dry-run", "--out", str(tmp_path), "--model-dir", "/m", "--configs",
-                    "fp8_online_blockwise_kv_bf16q", "fp8_online_blockwise_kv_forms"]) == 0
+                    "fp8_online_blockwise_kv_bf16q", "fp8_online_blockwise_kv_forms",
+                    "fp8_online_blockwise_kv_noforms"]) == 0
     cmds = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#") and ln.strip()]
-    bf16q, forms = (parse_args(cmd.split()) for cmd in cmds)
+    bf16q, forms, noforms = (parse_args(cmd.split()) for cmd in cmds)
     assert bf16q.decode_query == "bf16" and bf16q.split_kv_forms == DEFAULT_FORMS
     assert forms.split_kv_forms == FORMS and forms.decode_query == "fp8"
+    assert noforms.split_kv_forms == () and noforms.decode_query == "fp8"
 
 
 def test_config_timeouts_keep_time_for_later_configs(monkeypatch):
