@@ -30,6 +30,8 @@ Opt-in (--configs), the FP8 KV cache of issue 15:
                                   step, no merge launch)
   fp8_online_blockwise_kv_noforms fp8_online_blockwise_kv + --fp8rl-split-kv-forms none (the split-KV kernel as it
                                   ran before the forms: the baseline of the default forms)
+  fp8_online_blockwise_kv_lean    fp8_online_blockwise_kv + --fp8rl-decode-query bf16 --fp8rl-producer-quant on (every
+                                  opt-in that takes launches out of the decode step)
   bf16_kv                         BF16 weights + --kv-cache-dtype fp8_e4m3 (SGLang's static scale 1.0)
   fp8_online_noselect             the plugin with SGLang's GEMM dispatch only (--fp8rl-gemm-select off)
 

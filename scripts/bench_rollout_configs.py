@@ -10,7 +10,8 @@ CONFIGS = ["bf16", "fp8_online_blockwise", "block_prequant", "fp8_channel"]
 # opt-in: FP8 KV cache
 KV_CONFIGS = ["fp8_online_blockwise_kv", "fp8_online_blockwise_kv_static", "fp8_online_blockwise_kv_sglang_write",
               "fp8_online_blockwise_kv_fa3", "fp8_online_blockwise_kv_splitkv", "fp8_online_blockwise_kv_bf16q",
-              "fp8_online_blockwise_kv_forms", "fp8_online_blockwise_kv_noforms", "bf16_kv"]
+              "fp8_online_blockwise_kv_forms", "fp8_online_blockwise_kv_noforms",
+              "fp8_online_blockwise_kv_lean", "bf16_kv"]
 EXTRA_CONFIGS = ["fp8_online_noselect", *KV_CONFIGS]  # opt-in (--configs)
 _FP8_KV = ["--kv-cache-dtype", "fp8_e4m3"]
 DECODE_ATTENTION_FLAG = "--fp8rl-decode-attention"
@@ -19,6 +20,8 @@ DECODE_QUERY_FLAG = "--fp8rl-decode-query"
 ALL_FORMS = ["--fp8rl-split-kv-forms", "single_plan,step_plan,fused_merge"]
 # none of them: the kernel as it ran before the forms, against which the default forms are measured
 NO_FORMS = ["--fp8rl-split-kv-forms", "none"]
+# every opt-in that takes launches out of the FP8-KV decode step: the candidate for the next defaults
+LEAN = [DECODE_QUERY_FLAG, "bf16", "--fp8rl-producer-quant", "on"]
 _ONLINE = ["--quantization", "fp8_online_blockwise"]
 
 
@@ -42,6 +45,7 @@ def _base_spec(cfg: str, moe: bool) -> dict:
         "fp8_online_blockwise_kv_bf16q": (plain, [*_ONLINE, *_FP8_KV, DECODE_QUERY_FLAG, "bf16"], "0"),
         "fp8_online_blockwise_kv_forms": (plain, [*_ONLINE, *_FP8_KV, *ALL_FORMS], "0"),
         "fp8_online_blockwise_kv_noforms": (plain, [*_ONLINE, *_FP8_KV, *NO_FORMS], "0"),
+        "fp8_online_blockwise_kv_lean": (plain, [*_ONLINE, *_FP8_KV, *LEAN], "0"),
         "bf16_kv": (plain, _FP8_KV, "0"),
     }
     if cfg not in specs:

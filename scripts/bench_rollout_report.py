@@ -22,6 +22,7 @@ DESC = {
     "fp8_online_blockwise_kv_bf16q": "fp8_online_blockwise_kv + --fp8rl-decode-query bf16 (the kernel reads BF16 q)",
     "fp8_online_blockwise_kv_forms": "fp8_online_blockwise_kv + --fp8rl-split-kv-forms (all: fewer launches)",
     "fp8_online_blockwise_kv_noforms": "fp8_online_blockwise_kv + --fp8rl-split-kv-forms none (no launch saved)",
+    "fp8_online_blockwise_kv_lean": "fp8_online_blockwise_kv + --fp8rl-decode-query bf16 --fp8rl-producer-quant on",
     "bf16_kv": "BF16 weights + --kv-cache-dtype fp8_e4m3 (SGLang's static scale 1.0)",
 }
 SHORT = {"bf16": "bf16", "fp8_online_blockwise": "online", "block_prequant": "block_prequant",

@@ -51,6 +51,7 @@ PRECISION = {
     "fp8_online_blockwise_kv_bf16q": ("fp8", "fp8"),
     "fp8_online_blockwise_kv_forms": ("fp8", "fp8"),
     "fp8_online_blockwise_kv_noforms": ("fp8", "fp8"),
+    "fp8_online_blockwise_kv_lean": ("fp8", "fp8"),
     "bf16_kv": ("bf16", "fp8"),
 }
 

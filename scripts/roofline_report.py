@@ -20,7 +20,8 @@ NAMES = {"bf16": "BF16", "fp8_online_blockwise": "FP8 weights", "fp8_online_bloc
          "fp8_online_blockwise_kv_splitkv": "FP8 + FP8 KV, split-KV decode",
          "fp8_online_blockwise_kv_bf16q": "FP8 + FP8 KV, BF16 query",
          "fp8_online_blockwise_kv_forms": "FP8 + FP8 KV, split-KV forms",
-         "fp8_online_blockwise_kv_noforms": "FP8 + FP8 KV, no split-KV form", "bf16_kv": "BF16 + FP8 KV"}
+         "fp8_online_blockwise_kv_noforms": "FP8 + FP8 KV, no split-KV form",
+         "fp8_online_blockwise_kv_lean": "FP8 + FP8 KV, BF16 query, producers quantize", "bf16_kv": "BF16 + FP8 KV"}
 # issue 35's per-step targets: (config, kind, batch range, context range, threshold); kind "speedup" is the BF16
 # step over the config's, "efficiency" floor over step
 TARGETS = [

@@ -408,9 +408,10 @@ def test_the_decode_attention_configs_pass_flags_our_parser_takes(capsys, tmp_pa
 
     assert DR.main(["--dry-run", "--out", str(tmp_path), "--model-dir", "/m", "--configs",
                     "fp8_online_blockwise_kv_bf16q", "fp8_online_blockwise_kv_forms",
-                    "fp8_online_blockwise_kv_noforms"]) == 0
+                    "fp8_online_blockwise_kv_noforms", "fp8_online_blockwise_kv_lean"]) == 0
     cmds = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#") and ln.strip()]
-    bf16q, forms, noforms = (parse_args(cmd.split()) for cmd in cmds)
+    bf16q, forms, noforms, lean = (parse_args(cmd.split()) for cmd in cmds)
+    assert lean.decode_query == "bf16" and lean.producer_quant == "on" and lean.split_kv_forms == DEFAULT_FORMS
     assert bf16q.decode_query == "bf16" and bf16q.split_kv_forms == DEFAULT_FORMS
     assert forms.split_kv_forms == FORMS and forms.decode_query == "fp8"
     assert noforms.split_kv_forms == () and noforms.decode_query == "fp8"
