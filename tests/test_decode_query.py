@@ -73,6 +73,64 @@ def _functions_given_q(fn: ast.FunctionDef) -> set[str]:
     return names
 
 
+def _parents(fn: ast.FunctionDef) -> dict[int, ast.AST]:
+    return {id(child): node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
+
+
+def _is_fa3_query(node: ast.AST, parents: dict[int, ast.AST]) -> bool:
+    """``node`` is the ``q=`` keyword value of a ``flash_attn_with_kvcache`` call."""
+    keyword = parents.get(id(node))
+    call = parents.get(id(keyword))
+    return isinstance(keyword, ast.keyword) and keyword.arg == "q" and isinstance(call, ast.Call) \
+        and ast.unparse(call.func) == "flash_attn_with_kvcache"
+
+
+def _unread_query_uses(fn: ast.FunctionDef) -> list[str]:
+    """The reads of ``q`` in ``fn`` outside the MLA branch that are none of: its cast to the cache's dtype, an argument
+    of prepare_paged_mha_query, metadata (shape, dtype, device), or ``q.contiguous().view(...)`` handed to FA3's
+    function as ``q=`` (directly, or through a name that goes nowhere else). A query placeholder
+    (kernels/query_placeholder.py) is only read by FA3's function, i.e. by the dispatcher, which reads the model's
+    query instead."""
+    parents = _parents(fn)
+    mla = [n.orelse for n in ast.walk(fn) if isinstance(n, ast.If) and ast.unparse(n.test) == "not self.use_mla"]
+    skip = {id(node) for branch in mla for stmt in branch for node in ast.walk(stmt)}
+    loads = {}
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in skip:
+            loads.setdefault(n.id, []).append(n)
+    bad = []
+    for n in loads.get("q", []):
+        p = parents[id(n)]
+        if isinstance(p, ast.Attribute) and p.attr in ("shape", "dtype", "device"):
+            continue
+        call = parents.get(id(p))
+        if _is_cast_of(call, {"q"}) or (isinstance(p, ast.Call) and ast.unparse(p.func) ==
+                                         f"self.{fa3_query.QUERY_METHOD}"):
+            continue
+        view = parents.get(id(call))
+        viewed = parents.get(id(view))
+        if isinstance(p, ast.Attribute) and p.attr == "contiguous" and isinstance(view, ast.Attribute) \
+                and view.attr == "view" and isinstance(viewed, ast.Call):
+            if _is_fa3_query(viewed, parents):
+                continue
+            target = parents.get(id(viewed))
+            if isinstance(target, ast.Assign) and len(target.targets) == 1 and isinstance(target.targets[0], ast.Name):
+                name = target.targets[0].id
+                if loads.get(name) and all(_is_fa3_query(use, parents) for use in loads[name]):
+                    continue
+        bad.append(f"line {n.lineno}: {ast.unparse(parents.get(id(p), p))[:120]}")
+    return bad
+
+
+def test_the_installed_release_reads_the_decode_query_only_through_fa3s_function():
+    decode = _method(_backend_class_source(), "forward_decode")
+    assert _unread_query_uses(decode) == []
+    # the check can fail: a release whose decode also read the query elsewhere
+    changed = ast.parse("def forward_decode(self, q):\n    o = flash_attn_with_kvcache(q=q.contiguous().view(-1, 2))\n"
+                        "    s = q.sum()\n    return o + s\n").body[0]
+    assert len(_unread_query_uses(changed)) == 1
+
+
 def test_the_installed_release_casts_the_decode_query_in_the_form_the_adapter_knows():
     cls = _backend_class_source()
     decode = _method(cls, "forward_decode")

@@ -193,6 +193,12 @@ BF16_QUERY_CHECK = PREAMBLE + textwrap.dedent(
         assert worst_ratio(out, bf16) <= ROW_TOLERANCE, (seed, worst_ratio(out, bf16))
         cast = run(dict(case, q=q.to(torch.float8_e4m3fn)), out=torch.empty(q.shape))
         assert worst_ratio(cast, bf16) > 4 * max(worst_ratio(out, bf16), ROW_TOLERANCE / 4), seed
+        # read where the model wrote it (kernels/query_placeholder.py): a column slice of qkv, NaN in K's and V's
+        heads = kv_heads * group
+        qkv = torch.full((batch, (heads + 2 * kv_heads) * dim), float("nan"), dtype=torch.bfloat16)
+        qkv[:, :heads * dim] = q.reshape(batch, heads * dim)
+        in_qkv = run(dict(case, q=qkv[:, :heads * dim].view(batch, heads, dim)), out=torch.empty(q.shape))
+        assert torch.equal(in_qkv, out), seed
     print("decode bf16 query ok")
     """
 )

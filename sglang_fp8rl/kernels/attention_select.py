@@ -8,8 +8,8 @@ capture chose: a call that is a plain one-token-per-sequence decode over an E4M3
 split-KV kernel can take, goes to it under ``--fp8rl-decode-attention split_kv``, and under ``auto`` (the default)
 when the batch holds at most ``AUTO_MAX_BATCH`` sequences; every other call, and every call under ``fa3``, goes to
 FA3 unchanged. Each decision is logged once, with its reason. Under ``--fp8rl-decode-query bf16`` the backend's decode
-hands the query on uncast (compat/fa3_query.py): the kernel reads it so, and the calls that go to FA3 get SGLang's
-E4M3 cast here (:func:`cast_query`).
+hands the query on uncast (compat/fa3_query.py) and in place of SGLang's copy of it (kernels/query_placeholder.py): the
+kernel reads it as it lies in qkv, and the calls that go to FA3 get SGLang's E4M3 cast here (:func:`for_fa3`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from sglang_fp8rl.kernels import producers
+from sglang_fp8rl.kernels.query_placeholder import real_query
 from sglang_fp8rl.kernels.split_kv_plan import DEFAULT_FORMS, FORMS
 from sglang_fp8rl.kernels.step_plan import StepPlan
 from sglang_fp8rl.quant import DEFAULT_GROUP_SIZE
@@ -151,6 +152,23 @@ def cast_query(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "q": q.to(cache.dtype)}
 
 
+def for_fa3(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of a call from a decode that hands its query on uncast, as FA3 takes them: the query cast
+    (:func:`cast_query`) and contiguous, as SGLang's own ``q.contiguous()`` leaves it."""
+    kwargs = cast_query(kwargs)
+    q = kwargs.get("q")
+    return {**kwargs, "q": q.contiguous()} if isinstance(q, torch.Tensor) and not q.is_contiguous() else kwargs
+
+
+def with_real_query(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The call's arguments with the model's query in place of a placeholder (kernels/query_placeholder.py); a
+    positional query, which FA3 alone takes, also contiguous."""
+    if args:
+        q = real_query(args[0])
+        return (q.contiguous() if isinstance(q, torch.Tensor) else q, *args[1:]), kwargs
+    return args, ({**kwargs, "q": real_query(kwargs["q"])} if "q" in kwargs else kwargs)
+
+
 def dispatching(original: Callable, mode: str, hand_over: bool = False, query: str = CAST_QUERY,
                 forms: tuple[str, ...] = DEFAULT_FORMS) -> Callable:
     """``original`` (FA3's ``flash_attn_with_kvcache``) with plain FP8 decode calls sent to the split-KV kernel
@@ -174,6 +192,8 @@ def dispatching(original: Callable, mode: str, hand_over: bool = False, query: s
         return choose(mode, kwargs)
 
     def flash_attn_with_kvcache(*args: Any, **kwargs: Any) -> Any:
+        if query == UNCAST_QUERY:  # the model's query back in place of the decode's placeholder, before any read
+            args, kwargs = with_real_query(args, kwargs)
         kernel, why = decide(args, kwargs)
         if (kernel, why) not in logged:
             logged.add((kernel, why))
@@ -187,7 +207,7 @@ def dispatching(original: Callable, mode: str, hand_over: bool = False, query: s
             except BUILD_ERRORS as e:  # its outputs are unwritten: FA3 computes this call from the same operands
                 unbuildable.append(f"the split-KV kernel does not build on this GPU: {type(e).__name__}: {e}")
                 logger.warning("[fp8rl] decode attention: FA3 for every call from now on (%s)", unbuildable[0])
-        return original(*args, **(cast_query(kwargs) if query == UNCAST_QUERY else kwargs))
+        return original(*args, **(for_fa3(kwargs) if query == UNCAST_QUERY else kwargs))
 
     setattr(flash_attn_with_kvcache, _MARK, original)
     return flash_attn_with_kvcache

@@ -255,3 +255,44 @@ def test_the_output_codes_are_its_own_quantization(pdl):
     ref_q, ref_s = quantize_activation_groups(out.reshape(8, -1).cpu(), 128)
     assert torch.equal(codes.cpu().view(torch.uint8), ref_q.view(torch.uint8))
     assert torch.equal(scales.cpu().contiguous(), ref_s)
+
+
+def test_the_query_read_in_qkv_replays_the_copys_bits():
+    """--fp8rl-decode-query bf16 with the query placeholder (kernels/query_placeholder.py): a decode of SGLang's form
+    (``q.contiguous().view(...)``, then FA3's function: here the dispatcher) captured in a CUDA graph with the
+    placeholder, and again with the copy, replays the same bits after qkv is rewritten in place."""
+    from decode_attention_case import fa3_decode_kwargs
+
+    from sglang_fp8rl.kernels import attention_select as sel
+    from sglang_fp8rl.kernels import query_placeholder as qp
+
+    batch, kv_heads, group, dim = 8, 8, 4, 128
+    heads = kv_heads * group
+    case = on_cuda(paged_case(5, batch, kv_heads, group, dim, 1, [4096, 1, 17, 129, 1000, 2048, 3000, 4097]))
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, device="cuda").to(torch.bfloat16)
+
+    def no_fa3(**kwargs):
+        raise AssertionError("a plain decode of at most 8 sequences went to FA3")
+
+    dispatcher = sel.dispatching(no_fa3, "auto", query="bf16")
+
+    def decode(q):
+        return dispatcher(**fa3_decode_kwargs(case, q=q.contiguous().view(-1, heads, dim)))
+
+    placeheld = qp.reading_the_model_query(decode)
+    outs, graphs = [], []
+    for fn in (placeheld, decode):
+        fn(qkv[:, :heads * dim])  # compiled outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(fn(qkv[:, :heads * dim]))
+        graphs.append(graph)
+    assert not qp._STANDING
+    for seed in range(5):
+        qkv.copy_(torch.randn(qkv.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        for graph in graphs:
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], outs[1]), seed
+        assert torch.equal(outs[0], decode(qkv[:, :heads * dim])), seed

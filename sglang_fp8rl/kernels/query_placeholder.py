@@ -1,0 +1,88 @@
+"""The decode query handed to the split-KV kernel without SGLang's copy of it (``--fp8rl-decode-query bf16``).
+
+SGLang's FA3 decode passes FA3 ``q.contiguous().view(-1, heads, head_dim)`` (every supported release:
+tests/test_decode_query.py reads their sources). The model's query is a column slice of the qkv projection's output,
+its rows as far apart as qkv's, so that ``contiguous()`` is a copy kernel in every layer: with the E4M3 query it is
+the cast itself, with the BF16 query a launch of its own (2.3 us a layer at 8 x 4k on an H100, docs/RESULTS.md
+38a). The split-KV kernel reads a query with any row and head strides, so it needs no copy.
+
+So the backend's decode gets a *placeholder*: a contiguous tensor of the query's shape and dtype that nothing
+writes, which ``contiguous()`` and ``view`` leave in place (no kernel; under a CUDA graph capture it comes from the
+graph's pool like any other tensor). The dispatcher (kernels/attention_select), the function through which the
+backend reaches FA3, takes the model's query back (:func:`real_query`) before anything reads it: the kernel reads
+it as it lies in qkv, FA3 gets it cast or copied as SGLang would have. That SGLang's decode reads the query nowhere else
+(outside MLA, which keeps SGLang's cast) is what tests/test_decode_query.py checks in each supported release's
+source. A decode that returns without its placeholder taken back whole (it handed FA3 a part of it, or computed
+without FA3) is run again on the model's query by :func:`reading_the_model_query`, and that function uses no
+placeholder again (one warning).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# a placeholder's first byte -> [the model's query, whether the dispatcher took it back, whether something read a
+# part of it]; one entry per decode call in flight, removed when it returns
+_STANDING: dict[int, list] = {}
+
+
+def placeholder(q: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of ``q``'s shape and dtype, registered as standing for ``q`` until :func:`release`; ``q``
+    itself where it is empty or contiguous (its ``contiguous()`` copies nothing anyway)."""
+    if q.numel() == 0 or q.is_contiguous():
+        return q
+    stand = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _STANDING[stand.data_ptr()] = [q, False, False]
+    return stand
+
+
+def release(stand: torch.Tensor) -> bool:
+    """Unregister ``stand``; whether the dispatcher took the model's query back from it, and only whole (True for no
+    placeholder)."""
+    entry = _STANDING.pop(stand.data_ptr(), None) if stand.numel() else None
+    return entry is None or (entry[1] and not entry[2])
+
+
+def real_query(q: Any) -> Any:
+    """The model's query, shaped as ``q``, where ``q`` is a placeholder or a view of one; else ``q`` itself."""
+    if not isinstance(q, torch.Tensor) or not q.numel():
+        return q
+    entry = _STANDING.get(q.data_ptr())
+    if entry is None:
+        return q
+    if entry[0].numel() != q.numel() or entry[0].dtype != q.dtype:
+        entry[2] = True  # a part of it, or its bytes as another dtype: not the query; the decode is run again
+        return q
+    entry[1] = True
+    return entry[0].reshape(q.shape)  # a view: the query's last dim is contiguous, its rows are split into heads
+
+
+def reading_the_model_query(forward_decode: Callable) -> Callable:
+    """``forward_decode`` (a backend's bound method) given a placeholder for its query (its first argument, or
+    ``q=``), and run again on the query itself if the placeholder was not taken back."""
+    failed: list[str] = []
+
+    def decode(*args: Any, **kwargs: Any) -> Any:
+        q = args[0] if args else kwargs.get("q")
+        if failed or not isinstance(q, torch.Tensor):
+            return forward_decode(*args, **kwargs)
+        stand = placeholder(q)
+        swapped = (stand, *args[1:]) if args else {**kwargs, "q": stand}
+        try:
+            out = forward_decode(*swapped, **kwargs) if args else forward_decode(*args, **swapped)
+        finally:
+            taken = release(stand)
+        if taken:
+            return out
+        failed.append("its decode read the query other than through FA3's function")
+        logger.warning("[fp8rl] decode attention: the BF16 query is copied as SGLang copies it from now on (%s); "
+                       "this call runs again on the query itself", failed[0])
+        return forward_decode(*args, **kwargs)
+
+    return decode
