@@ -132,10 +132,13 @@ def test_a_part_of_the_placeholder_is_not_taken_for_the_query():
     assert qp.real_query(other) is other and qp.real_query(None) is None
 
 
-def test_no_placeholder_where_the_copy_costs_nothing():
+def test_no_placeholder_where_the_copy_costs_nothing_nor_under_torch_compile(monkeypatch):
     contiguous, empty = torch.randn(2, 128).to(torch.bfloat16), torch.empty(0, 128, dtype=torch.bfloat16)
     assert qp.placeholder(contiguous) is contiguous and qp.placeholder(empty) is empty
     assert qp.release(contiguous) is True and qp.release(empty) is True and not qp._STANDING
+    q, _ = _in_qkv(2)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # a traced tensor has no data pointer
+    assert qp.placeholder(q) is q and qp.real_query(q) is q and qp.release(q) is True and not qp._STANDING
 
 
 def test_a_failing_decode_leaves_nothing_registered():

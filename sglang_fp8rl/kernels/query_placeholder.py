@@ -34,8 +34,9 @@ _STANDING: dict[int, list] = {}
 
 def placeholder(q: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor of ``q``'s shape and dtype, registered as standing for ``q`` until :func:`release`; ``q``
-    itself where it is empty or contiguous (its ``contiguous()`` copies nothing anyway)."""
-    if q.numel() == 0 or q.is_contiguous():
+    itself where it is empty or contiguous (its ``contiguous()`` copies nothing anyway), and while torch.compile
+    traces."""
+    if q.numel() == 0 or q.is_contiguous() or torch.compiler.is_compiling():  # a traced tensor has no data pointer
         return q
     stand = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _STANDING[stand.data_ptr()] = [q, False, False]
@@ -45,13 +46,13 @@ def placeholder(q: torch.Tensor) -> torch.Tensor:
 def release(stand: torch.Tensor) -> bool:
     """Unregister ``stand``; whether the dispatcher took the model's query back from it, and only whole (True for no
     placeholder)."""
-    entry = _STANDING.pop(stand.data_ptr(), None) if stand.numel() else None
+    entry = _STANDING.pop(stand.data_ptr(), None) if _STANDING and stand.numel() else None
     return entry is None or (entry[1] and not entry[2])
 
 
 def real_query(q: Any) -> Any:
     """The model's query, shaped as ``q``, where ``q`` is a placeholder or a view of one; else ``q`` itself."""
-    if not isinstance(q, torch.Tensor) or not q.numel():
+    if not isinstance(q, torch.Tensor) or not q.numel() or not _STANDING or torch.compiler.is_compiling():
         return q
     entry = _STANDING.get(q.data_ptr())
     if entry is None:
