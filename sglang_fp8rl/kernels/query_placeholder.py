@@ -81,7 +81,7 @@ def reading_the_model_query(forward_decode: Callable) -> Callable:
             taken = release(stand)
         if taken:
             return out
-        failed.append("its decode read the query other than through FA3's function")
+        failed.append("the decode did not hand its placeholder to FA3's function whole")
         logger.warning("[fp8rl] decode attention: the BF16 query is copied as SGLang copies it from now on (%s); "
                        "this call runs again on the query itself", failed[0])
         return forward_decode(*args, **kwargs)
