@@ -230,6 +230,14 @@ class Recorder:
         return "fa3"
 
 
+def record_kernel_calls(monkeypatch) -> list[dict]:
+    """The split-KV kernel's calls, recorded in its place: each returns "kernel"."""
+    calls = []
+    monkeypatch.setattr(sel, "run_split_kv",
+                        lambda kwargs, hand_over=False, plans=None, forms=(): calls.append(kwargs) or "kernel")
+    return calls
+
+
 def _bf16_query(batch: int) -> tuple[torch.Tensor, dict]:
     case = paged_case(3, batch, 2, 4, 64, 1, [5 + b for b in range(batch)])
     q = torch.randn(case["q"].shape, generator=torch.Generator().manual_seed(batch)).to(torch.bfloat16)
@@ -238,9 +246,7 @@ def _bf16_query(batch: int) -> tuple[torch.Tensor, dict]:
 
 @pytest.mark.parametrize("backend_cls", [InlineBackend, MethodBackend])
 def test_the_kernel_reads_the_bf16_query_and_fa3_gets_sglangs_cast(backend_cls, monkeypatch):
-    kernel_calls = []
-    monkeypatch.setattr(sel, "run_split_kv",
-                        lambda kwargs, hand_over=False, plans=None, forms=(): kernel_calls.append(kwargs) or "kernel")
+    kernel_calls = record_kernel_calls(monkeypatch)
     fa3, sglang_fa3 = Recorder(), Recorder()
     kept, sglangs = backend_cls(sel.dispatching(fa3, "auto", query="bf16")), backend_cls(sglang_fa3)
     fa3_query.keep_decode_query(kept)

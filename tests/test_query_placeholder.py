@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 from decode_attention_case import fa3_decode_kwargs
-from test_decode_query import E4M3, InlineBackend, Layer, MethodBackend, Recorder, _bf16_query
+from test_decode_query import E4M3, InlineBackend, Layer, MethodBackend, Recorder, _bf16_query, record_kernel_calls
 
 from sglang_fp8rl.compat import fa3_query
 from sglang_fp8rl.hooks.attention import install_decode_attention
@@ -66,20 +66,22 @@ def _in_qkv(batch: int) -> tuple[torch.Tensor, dict]:
     return qkv[:, :heads * dim], case
 
 
-def _kept(backend_cls, fa3):
-    backend = backend_cls(sel.dispatching(fa3, "auto", query="bf16"))
+def _kept(backend):
+    """``backend`` as the hook leaves it under ``--fp8rl-decode-query bf16``."""
     fa3_query.keep_decode_query(backend)
     backend.forward_decode = qp.reading_the_model_query(backend.forward_decode)
     return backend
 
 
+def _dispatched(backend_cls, fa3):
+    return _kept(backend_cls(sel.dispatching(fa3, "auto", query="bf16")))
+
+
 @pytest.mark.parametrize("backend_cls", [InlineCopying, MethodCopying])
 def test_the_kernel_reads_the_query_in_qkv_and_fa3_gets_sglangs_copy(backend_cls, monkeypatch):
-    kernel_calls = []
-    monkeypatch.setattr(sel, "run_split_kv",
-                        lambda kwargs, hand_over=False, plans=None, forms=(): kernel_calls.append(kwargs) or "kernel")
+    kernel_calls = record_kernel_calls(monkeypatch)
     fa3, sglang_fa3 = Recorder(), Recorder()
-    kept, sglangs = _kept(backend_cls, fa3), backend_cls(sglang_fa3)
+    kept, sglangs = _dispatched(backend_cls, fa3), backend_cls(sglang_fa3)
     for batch in (2, sel.AUTO_MAX_BATCH + 1):  # the kernel's batch, then one that goes to FA3
         q, case = _in_qkv(batch)
         assert not q.is_contiguous()
@@ -103,7 +105,7 @@ def test_the_kernel_reads_the_query_in_qkv_and_fa3_gets_sglangs_copy(backend_cls
 def test_a_decode_that_does_not_take_the_query_back_whole_is_run_again_and_copies_from_then_on(
         backend_cls, fa3_calls, caplog):
     fa3 = Recorder()
-    backend = _kept(backend_cls, fa3)
+    backend = _dispatched(backend_cls, fa3)
     q, case = _in_qkv(2)
     copying = backend_cls(sel.dispatching(Recorder(), "auto", query="bf16"))  # the BF16 query, no placeholder
     fa3_query.keep_decode_query(copying)
@@ -142,9 +144,7 @@ def test_no_placeholder_where_the_copy_costs_nothing_nor_under_torch_compile(mon
 
 
 def test_a_failing_decode_leaves_nothing_registered():
-    backend = InlineCopying(None)  # its FA3 "function" is not callable: the call raises inside the decode
-    fa3_query.keep_decode_query(backend)
-    backend.forward_decode = qp.reading_the_model_query(backend.forward_decode)
+    backend = _kept(InlineCopying(None))  # its FA3 "function" is not callable: the call raises inside the decode
     q, case = _in_qkv(2)
     with pytest.raises(TypeError):
         backend.forward_decode(q, None, None, Layer(), case)
@@ -167,6 +167,7 @@ def test_the_hook_installs_it_once_with_the_bf16_query(monkeypatch):
         assert (backend.forward_decode != plain) == wrapped
     once = backend.forward_decode
     assert install_decode_attention(runner) == "installed" and backend.forward_decode is once  # a second install
+    assert qp.reading_the_model_query(once) is once  # a wrapper is never wrapped again
     q, case = _in_qkv(sel.AUTO_MAX_BATCH + 1)
     backend.forward_decode(q, None, None, Layer(), case)
     fa3 = sel.original_of(module.flash_attn_with_kvcache)

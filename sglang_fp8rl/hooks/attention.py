@@ -23,7 +23,6 @@ from sglang_fp8rl.server_args import QUANTIZATION_NAME, get_options
 logger = logging.getLogger(__name__)
 
 FP8_KV_DTYPES = ("fp8_e4m3",)
-_PLACEHOLDER = "_fp8rl_query_placeholder"  # set on a backend whose forward_decode hands SGLang a query placeholder
 
 
 def fa3_module(backend: Any) -> Optional[Any]:
@@ -70,9 +69,8 @@ def install_decode_attention(runner: Any) -> str:
                                                      forms))
     if query == UNCAST_QUERY:  # only once the dispatcher that casts for FA3 is in place
         keep_decode_query(backend)
-        if not getattr(backend, _PLACEHOLDER, False):  # the decode then hands over no copy of the query either
-            backend.forward_decode = reading_the_model_query(backend.forward_decode)
-            setattr(backend, _PLACEHOLDER, True)
+        # and hands over no copy of the query either (a second install finds it wrapped and keeps it)
+        backend.forward_decode = reading_the_model_query(backend.forward_decode)
     logger.info("[fp8rl] decode attention: plain FP8-KV decode calls of %s go to the split-KV kernel (%s; forms: "
                 "%s)%s%s", module.__name__, mode, ", ".join(forms) or "none", "; its output's 1x128 codes go to "
                 "o_proj (--fp8rl-producer-quant on)" if hand_over else "", "; it reads the BF16 query, FA3's calls "

@@ -21,15 +21,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-# a placeholder's first byte -> [the model's query, whether the dispatcher took it back, whether something read a
-# part of it]; one entry per decode call in flight, removed when it returns
-_STANDING: dict[int, list] = {}
+_MARK = "_fp8rl_reads_the_model_query"  # on a forward_decode wrapped by reading_the_model_query
+
+
+@dataclass
+class _Standing:
+    """What a placeholder stands for, and what the dispatcher made of it during the decode call."""
+
+    query: torch.Tensor
+    taken_back: bool = False  # the dispatcher took the model's query back from it, whole
+    misread: bool = False  # something looked up a part of it, or its bytes as another dtype
+
+
+# a placeholder's first byte -> its entry; one entry per decode call in flight, removed when it returns
+_STANDING: dict[int, _Standing] = {}
 
 
 def placeholder(q: torch.Tensor) -> torch.Tensor:
@@ -39,7 +51,7 @@ def placeholder(q: torch.Tensor) -> torch.Tensor:
     if q.numel() == 0 or q.is_contiguous() or torch.compiler.is_compiling():  # a traced tensor has no data pointer
         return q
     stand = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _STANDING[stand.data_ptr()] = [q, False, False]
+    _STANDING[stand.data_ptr()] = _Standing(q)
     return stand
 
 
@@ -47,7 +59,7 @@ def release(stand: torch.Tensor) -> bool:
     """Unregister ``stand``; whether the dispatcher took the model's query back from it, and only whole (True for no
     placeholder)."""
     entry = _STANDING.pop(stand.data_ptr(), None) if _STANDING and stand.numel() else None
-    return entry is None or (entry[1] and not entry[2])
+    return entry is None or (entry.taken_back and not entry.misread)
 
 
 def real_query(q: Any) -> Any:
@@ -57,21 +69,25 @@ def real_query(q: Any) -> Any:
     entry = _STANDING.get(q.data_ptr())
     if entry is None:
         return q
-    if entry[0].numel() != q.numel() or entry[0].dtype != q.dtype:
-        entry[2] = True  # a part of it, or its bytes as another dtype: not the query; the decode is run again
+    if entry.query.numel() != q.numel() or entry.query.dtype != q.dtype:
+        entry.misread = True  # not the query: the decode is run again
         return q
-    entry[1] = True
-    return entry[0].reshape(q.shape)  # a view: the query's last dim is contiguous, its rows are split into heads
+    entry.taken_back = True
+    return entry.query.reshape(q.shape)  # a view: the query's last dim is contiguous, its rows are split into heads
 
 
 def reading_the_model_query(forward_decode: Callable) -> Callable:
     """``forward_decode`` (a backend's bound method) given a placeholder for its query (its first argument, or
-    ``q=``), and run again on the query itself if the placeholder was not taken back."""
-    failed: list[str] = []
+    ``q=``), and run again on the query itself if the placeholder was not taken back; a function it already wraps is
+    returned as it is."""
+    if getattr(forward_decode, _MARK, False):
+        return forward_decode
+    copying = False  # a decode did not take its placeholder back: no placeholder from then on
 
     def decode(*args: Any, **kwargs: Any) -> Any:
+        nonlocal copying
         q = args[0] if args else kwargs.get("q")
-        if failed or not isinstance(q, torch.Tensor):
+        if copying or not isinstance(q, torch.Tensor):
             return forward_decode(*args, **kwargs)
         stand = placeholder(q)
         swapped = (stand, *args[1:]) if args else {**kwargs, "q": stand}
@@ -81,9 +97,11 @@ def reading_the_model_query(forward_decode: Callable) -> Callable:
             taken = release(stand)
         if taken:
             return out
-        failed.append("the decode did not hand its placeholder to FA3's function whole")
-        logger.warning("[fp8rl] decode attention: the BF16 query is copied as SGLang copies it from now on (%s); "
-                       "this call runs again on the query itself", failed[0])
+        copying = True
+        logger.warning("[fp8rl] decode attention: the BF16 query is copied as SGLang copies it from now on (the "
+                       "decode did not hand its placeholder to FA3's function whole); this call runs again on the "
+                       "query itself")
         return forward_decode(*args, **kwargs)
 
+    setattr(decode, _MARK, True)
     return decode
