@@ -110,7 +110,7 @@ CONFIGS: dict[str, list[str]] = {
     "fp8_kv": [*BRC._ONLINE, *BRC._FP8_KV],
     "fp8_kv_fa3": [*BRC._ONLINE, *BRC._FP8_KV, BRC.DECODE_ATTENTION_FLAG, "fa3"],
     "fp8_kv_splitkv": [*BRC._ONLINE, *BRC._FP8_KV, BRC.DECODE_ATTENTION_FLAG, "split_kv"],
-    "fp8_kv_bf16q": [*BRC._ONLINE, *BRC._FP8_KV, "--fp8rl-decode-query", "bf16"],
+    "fp8_kv_bf16q": [*BRC._ONLINE, *BRC._FP8_KV, BRC.DECODE_QUERY_FLAG, "bf16"],
     "fp8_kv_forms": [*BRC._ONLINE, *BRC._FP8_KV, *BRC.ALL_FORMS],
     "fp8_kv_noforms": [*BRC._ONLINE, *BRC._FP8_KV, *BRC.NO_FORMS],
     "fp8_kv_lean": [*BRC._ONLINE, *BRC._FP8_KV, *BRC.LEAN],

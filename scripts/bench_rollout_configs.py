@@ -16,10 +16,11 @@ EXTRA_CONFIGS = ["fp8_online_noselect", *KV_CONFIGS]  # opt-in (--configs)
 _FP8_KV = ["--kv-cache-dtype", "fp8_e4m3"]
 DECODE_ATTENTION_FLAG = "--fp8rl-decode-attention"
 DECODE_QUERY_FLAG = "--fp8rl-decode-query"
+FORMS_FLAG = "--fp8rl-split-kv-forms"
 # every form of the split-KV kernel (kernels/split_kv_plan.FORMS): the config that measures them in the served step
-ALL_FORMS = ["--fp8rl-split-kv-forms", "single_plan,step_plan,fused_merge"]
+ALL_FORMS = [FORMS_FLAG, "single_plan,step_plan,fused_merge"]
 # none of them: the kernel as it ran before the forms, against which the default forms are measured
-NO_FORMS = ["--fp8rl-split-kv-forms", "none"]
+NO_FORMS = [FORMS_FLAG, "none"]
 # every opt-in that takes launches out of the FP8-KV decode step: the candidate for the next defaults
 LEAN = [DECODE_QUERY_FLAG, "bf16", "--fp8rl-producer-quant", "on"]
 _ONLINE = ["--quantization", "fp8_online_blockwise"]
