@@ -40,6 +40,8 @@ FP8 KV cache (issue 15): --arms picks the engines compared with BF16 (scripts/ac
                     kernel at every batch), the query cast to E4M3 as SGLang casts it
   fp8_kv_splitkv_bf16q  the same with --fp8rl-decode-query bf16 (the kernel reads the BF16 query): the pair isolates
                     the query's cast
+  fp8_kv_splitkv_lean   fp8_kv_splitkv_bf16q with --fp8rl-producer-quant on (the norm and SiLU write the linears'
+                    FP8 codes): every opt-in that takes launches out of the decode step, against the two above
 and --policies the checkpoints: `original` (--model) and `drifted`, the same function with its K range x --drift-k
 and V range x --drift-v (powers of two, scripts/kv_drift.py; `auto` = the smallest power of two >= 64 (K) / 256 (V)
 that takes the measured amax past 4 x 448), written to OUT/policy_drifted. Each (policy, engine) record is stored

@@ -468,6 +468,8 @@ def test_arm_settings_and_options():
     assert AK.arm_options("fp8_kv_splitkv") == {"kv_scales": "calibrate", "decode_attention": "split_kv"}
     assert AK.arm_options("fp8_kv_splitkv_bf16q") == {"kv_scales": "calibrate", "decode_attention": "split_kv",
                                                       "decode_query": "bf16"}
+    assert AK.arm_options("fp8_kv_splitkv_lean") == {"kv_scales": "calibrate", "decode_attention": "split_kv",
+                                                     "decode_query": "bf16", "producer_quant": "on"}
     from sglang_fp8rl.server_args import Fp8rlOptions
 
     for arm in AK.ARMS:  # every arm's options are valid plugin options
