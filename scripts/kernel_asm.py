@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The split-KV decode-attention kernel compiled for Hopper (sm90) on a machine without a GPU: what its main loop
 issues per 128-token tile, read from the PTX and from the SASS (the machine code, disassembled with the nvdisasm
-Triton ships).
+Triton ships). ``--kernel norm``: the fused add-RMSNorm-quantize kernel of one row (``norm_quant``), whose time at
+decode's few rows is the instructions one thread issues in sequence: their count per thread at ``--warps``.
 
 The arguments get the specializations Triton's launcher gives a served call (pointers and the strides of a page-size-1
 cache, 1024 bytes a token, divisible by 16), so the code is the one a GPU runs, up to the Triton version. Printed: the
@@ -10,6 +11,7 @@ instruction mix of the loop in SASS (per thread, and per tile for all warps). A 
 instructions per byte; this is how many it has (docs/RESULTS.md 28f).
 
   python scripts/kernel_asm.py [--block-n 128] [--warps 4] [--stages 3] [--v-widen-tile]
+  python scripts/kernel_asm.py --kernel norm [--hidden 4096] [--warps 16]
 """
 
 from __future__ import annotations
@@ -67,6 +69,37 @@ def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, gr
             "shared": compiled.metadata.shared}
 
 
+@functools.cache
+def compile_norm_kernel(hidden: int = 4096, warps: int = 4) -> dict:
+    """The fused add-RMSNorm-quantize kernel's sm90 SASS for rows of ``hidden`` (residual added, plain launch)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sglang_fp8rl.kernels import norm_quant as NQ
+
+    kernel = NQ._add_rmsnorm_quant_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    groups = hidden // NQ.GROUP_K
+    constexprs = dict(GROUP=NQ.GROUP_K, GROUPS_P2=triton.next_power_of_2(groups), HAS_RESIDUAL=True,
+                      FP8_MAX=NQ.FP8_MAX, AMAX_FLOOR_BITS=NQ._AMAX_FLOOR_BITS, PDL=False)
+    pointers = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "eps" else "i32")
+                 for n in names}
+    aligned = [n for n in names if n in pointers or n in ("stride_xm", "stride_rm", "stride_om", "stride_qm")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return {"cubin": compiled.asm["cubin"], "shared": compiled.metadata.shared}
+
+
+def instructions(sass: str) -> list[str]:
+    """Every instruction of a SASS listing, in order (labels and blank lines dropped)."""
+    return [x for x in (ln.split("\t", 1)[-1].strip() for ln in sass.split("\n") if "\t" in ln) if x]
+
+
 def sass_of(cubin: bytes) -> str:
     """The cubin disassembled (Triton's nvdisasm wrapper): one line per instruction, control codes first."""
     from triton.tools.disasm import get_sass
@@ -108,12 +141,20 @@ def report(asm: dict, warps: int, block_n: int) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kernel", choices=("split", "norm"), default="split")
+    p.add_argument("--hidden", type=int, default=4096, help="--kernel norm: the row's width")
     p.add_argument("--block-n", type=int, default=128)
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--v-widen-tile", action="store_true",
                    help="V widened on its tile (fp8_decode_attention.V_WIDEN_TILE)")
     a = p.parse_args(argv)
+    if a.kernel == "norm":
+        asm = compile_norm_kernel(a.hidden, a.warps)
+        ops = collections.Counter(opcode(x) for x in instructions(sass_of(asm["cubin"])))
+        print(json.dumps({"shared_bytes": asm["shared"], "warps": a.warps,
+                          "instructions_per_thread": sum(ops.values()), "top_opcodes": ops.most_common(10)}, indent=1))
+        return 0
     asm = compile_split_kernel(a.block_n, a.warps, a.stages, v_widen_tile=a.v_widen_tile)
     print(json.dumps(report(asm, a.warps, a.block_n), indent=1))
     return 0

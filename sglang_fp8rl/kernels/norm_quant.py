@@ -39,6 +39,10 @@ SCALE_LAYOUTS = ("row", "tma")
 TMA_ALIGN_M = 4  # DeepGEMM's scale rows: 16 bytes of float32 (SGLang's scale_tma_aligned)
 MAX_NORM_GROUPS = 64  # the fused RMSNorm holds a row in one program's tile: 64 x 128 = 8192 values at most
 MAX_NORM_WIDTH = MAX_NORM_GROUPS * GROUP_K
+# The norm runs one program a row, so at decode's few rows its time is the instructions one thread issues in sequence:
+# a 4096-wide row compiled for sm90 is 1,632 SASS instructions a thread with 4 warps, 616 with 16
+# (scripts/kernel_asm.py --kernel norm)
+MIN_NORM_WARPS, MAX_NORM_WARPS = 4, 16
 
 
 @triton.jit
@@ -106,6 +110,11 @@ def empty_codes(m: int, k: int, device: torch.device, scale_layout: str = "row")
     return torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device), empty_scales(m, k, device, scale_layout)
 
 
+def norm_warps(groups: int) -> int:
+    """Warps of the fused norm's program for a row of ``groups`` 1x128 groups: two groups a warp, 4 to 16."""
+    return min(MAX_NORM_WARPS, max(MIN_NORM_WARPS, triton.next_power_of_2(groups) // 2))
+
+
 def _check_rows(name: str, t: torch.Tensor, k: int) -> None:
     if t.dtype != torch.bfloat16 or t.dim() != 2 or t.stride(1) != 1 or t.shape[1] != k or k % GROUP_K:
         raise ValueError(f"{name} must be a 2-D BF16 tensor with contiguous rows of width {k} (a multiple of "
@@ -113,9 +122,11 @@ def _check_rows(name: str, t: torch.Tensor, k: int) -> None:
 
 
 def add_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                      scale_layout: str = "row", pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      scale_layout: str = "row", pdl: bool = False, *, num_warps: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out BF16, e4m3 codes, float32 multipliers) of RMSNorm(x [+ residual]) [M, K]; ``residual`` becomes
-    ``x + residual`` in place, as SGLang's fused add-RMSNorm leaves it; ``pdl``: a programmatic dependent launch."""
+    ``x + residual`` in place, as SGLang's fused add-RMSNorm leaves it; ``pdl``: a programmatic dependent launch;
+    ``num_warps``: :func:`norm_warps`'s unless a benchmark names another."""
     m, k = x.shape if x.dim() == 2 else (0, -1)
     _check_rows("x", x, k)
     if residual is not None:
@@ -137,7 +148,7 @@ def add_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residua
         x, r, weight, out, q, s, groups, float(eps), x.stride(0), r.stride(0), out.stride(0), q.stride(0),
         s.stride(0), s.stride(1), GROUP=GROUP_K, GROUPS_P2=triton.next_power_of_2(groups),
         HAS_RESIDUAL=residual is not None, FP8_MAX=FP8_MAX, AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, PDL=pdl,
-        num_warps=8 if groups > 32 else 4, launch_pdl=pdl,
+        num_warps=num_warps or norm_warps(groups), launch_pdl=pdl,
     )
     return out, q, s
 
