@@ -39,10 +39,11 @@ SCALE_LAYOUTS = ("row", "tma")
 TMA_ALIGN_M = 4  # DeepGEMM's scale rows: 16 bytes of float32 (SGLang's scale_tma_aligned)
 MAX_NORM_GROUPS = 64  # the fused RMSNorm holds a row in one program's tile: 64 x 128 = 8192 values at most
 MAX_NORM_WIDTH = MAX_NORM_GROUPS * GROUP_K
-# The norm runs one program a row, so at decode's few rows its time is the instructions one thread issues in sequence:
-# a 4096-wide row compiled for sm90 is 1,632 SASS instructions a thread with 4 warps, 616 with 16
-# (scripts/kernel_asm.py --kernel norm)
-MIN_NORM_WARPS, MAX_NORM_WARPS = 4, 16
+# Warps of the norm's one program a row. More warps cut a thread's instructions (a 4096-wide row on sm90: 1,632 SASS
+# instructions a thread at 4 warps, 616 at 16; scripts/kernel_asm.py --kernel norm) but not the time: on an H100 16
+# warps took 4.2 us a call at 8 rows against 4 warps' 2.8 (docs/RESULTS.md 39; likely the row's reductions crossing
+# 16 warps through shared memory, not profiled). Rows over 32 groups keep 8 warps, as before (not measured against 4).
+NORM_WARPS, WIDE_NORM_WARPS, WIDE_NORM_GROUPS = 4, 8, 32
 
 
 @triton.jit
@@ -111,8 +112,8 @@ def empty_codes(m: int, k: int, device: torch.device, scale_layout: str = "row")
 
 
 def norm_warps(groups: int) -> int:
-    """Warps of the fused norm's program for a row of ``groups`` 1x128 groups: two groups a warp, 4 to 16."""
-    return min(MAX_NORM_WARPS, max(MIN_NORM_WARPS, triton.next_power_of_2(groups) // 2))
+    """Warps of the fused norm's program for a row of ``groups`` 1x128 groups."""
+    return WIDE_NORM_WARPS if groups > WIDE_NORM_GROUPS else NORM_WARPS
 
 
 def _check_rows(name: str, t: torch.Tensor, k: int) -> None:
