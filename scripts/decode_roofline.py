@@ -33,14 +33,14 @@ its plugin loading and dummy-init hooks) over --batch-size B... --input-len C...
 A cell whose B x (C + 33) tokens exceed the KV pool is skipped with the numbers (e.g. 384 x 12k: BF16 KV for Qwen3-8B
 is 36 x 8 x 128 x 2 x 2 B = 147 kB per token).
 
-Expected time on one H100 (estimates from the other bench_one_batch stages, not yet measured with this script): per
-config process, SGLang import 25-35 s, dummy load (+ FP8 quantization and GEMM selection) 10-40 s, decode-graph capture
-of 5 batch sizes 10-30 s (the first FP8 process JIT-compiles DeepGEMM kernels, longer on a cold machine), the grid
-10-40 s (about 16 cells x (32 steps + 24 back-to-back calls), <= 40 ms a step), the two profiled cells and their traces
-5-15 s: 70-150 s per config, 4-7.5 min for the three. Deadline: a config starts only with --min-s left (the later
-configs' --min-s are kept for them); inside a process a cell starts only before the process's stop time (its timeout
+Time on one H100 (measured, docs/RESULTS.md 38-39): a config's process starts in 40-50 s (SGLang's import, the
+dummy load, graph capture), the first FP8 process of a machine in about 86 s (DeepGEMM's JIT warm-up and the GEMM
+table); the whole grid with two profiled cells took 383 s for five configs, four cells of three configs 125 s.
+Deadline: a config starts only with --min-s left (the later configs' --min-s are kept for them; the default 120 s
+covers a start and a few cells); inside a process a cell starts only before the process's stop time (its timeout
 minus 30 s), so a late cell is skipped with the reason and everything measured stays (roofline.json is rewritten after
-every config).
+every config). A config given less than about 120 s may measure nothing (RESULTS 39: configs given 65-108 s, none
+measured a cell).
 
 Output under --out: roofline.json (meta, the raw records of every process, the profiled kernels, the report) and
 roofline.md (roofline_report.py: a table per config, speed-ups over BF16, the issue's targets met / missed, the kernel
@@ -257,7 +257,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="/tmp/fp8rl_roofline")
     p.add_argument("--budget-s", type=float, default=240, help="timeout per config (s)")
     p.add_argument("--deadline-s", type=float, default=0, help="wall budget of the whole run (s; 0: none)")
-    p.add_argument("--min-s", type=float, default=75, help="a config is not started with less time than this")
+    p.add_argument("--min-s", type=float, default=120,
+                   help="a config is not started with less time than this (a start takes 40-86 s)")
     p.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="bytes of the copy that measures bandwidth")
     p.add_argument("--bandwidth-gbps", type=float, default=None, help="report: use this bandwidth (GB/s)")
     p.add_argument("--peak-tflops", type=float, nargs=2, default=None, metavar=("BF16", "FP8"),
