@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The split-KV decode-attention kernel compiled for Hopper (sm90) on a machine without a GPU: what its main loop
 issues per 128-token tile, read from the PTX and from the SASS (the machine code, disassembled with the nvdisasm
-Triton ships). ``--kernel norm``: the fused add-RMSNorm-quantize kernel of one row (``norm_quant``), whose time at
-decode's few rows is the instructions one thread issues in sequence: their count per thread at ``--warps``.
+Triton ships). ``--kernel norm``: the fused add-RMSNorm-quantize kernel of one row (``norm_quant``), its SASS
+instructions a thread at ``--warps`` (docs/RESULTS.md 39: 16 warps, 616 against 4 warps' 1,632, were slower).
 
 The arguments get the specializations Triton's launcher gives a served call (pointers and the strides of a page-size-1
 cache, 1024 bytes a token, divisible by 16), so the code is the one a GPU runs, up to the Triton version. Printed: the
@@ -11,7 +11,7 @@ instruction mix of the loop in SASS (per thread, and per tile for all warps). A 
 instructions per byte; this is how many it has (docs/RESULTS.md 28f).
 
   python scripts/kernel_asm.py [--block-n 128] [--warps 4] [--stages 3] [--v-widen-tile]
-  python scripts/kernel_asm.py --kernel norm [--hidden 4096] [--warps 16]
+  python scripts/kernel_asm.py --kernel norm [--hidden 4096] [--warps 4]
 """
 
 from __future__ import annotations
