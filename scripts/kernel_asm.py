@@ -70,8 +70,8 @@ def compile_split_kernel(block_n: int = 128, warps: int = 4, stages: int = 3, gr
 
 
 @functools.cache
-def compile_norm_kernel(hidden: int = 4096, warps: int = 4) -> dict:
-    """The fused add-RMSNorm-quantize kernel's sm90 SASS for rows of ``hidden`` (residual added, plain launch)."""
+def compile_norm_kernel(hidden: int = 4096, warps: int = 4, pdl: bool = False) -> dict:
+    """The fused add-RMSNorm-quantize kernel's sm90 PTX and cubin for rows of ``hidden`` (residual added)."""
     import inspect
 
     import triton
@@ -84,7 +84,7 @@ def compile_norm_kernel(hidden: int = 4096, warps: int = 4) -> dict:
     names = list(inspect.signature(kernel.fn).parameters)
     groups = hidden // NQ.GROUP_K
     constexprs = dict(GROUP=NQ.GROUP_K, GROUPS_P2=triton.next_power_of_2(groups), HAS_RESIDUAL=True,
-                      FP8_MAX=NQ.FP8_MAX, AMAX_FLOOR_BITS=NQ._AMAX_FLOOR_BITS, PDL=False)
+                      FP8_MAX=NQ.FP8_MAX, AMAX_FLOOR_BITS=NQ._AMAX_FLOOR_BITS, PDL=pdl)
     pointers = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "eps" else "i32")
                  for n in names}
@@ -92,7 +92,7 @@ def compile_norm_kernel(hidden: int = 4096, warps: int = 4) -> dict:
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    return {"cubin": compiled.asm["cubin"], "shared": compiled.metadata.shared}
+    return {"ptx": compiled.asm["ptx"], "cubin": compiled.asm["cubin"], "shared": compiled.metadata.shared}
 
 
 def instructions(sass: str) -> list[str]:

@@ -107,18 +107,15 @@ def _compile_for_sm90(kernel: str, pdl: bool) -> str:
 
     from sglang_fp8rl.kernels import norm_quant as nq
 
-    common = {"GROUP": 128, "FP8_MAX": FP8_MAX, "AMAX_FLOOR_BITS": nq._AMAX_FLOOR_BITS, "PDL": pdl}
-    if kernel == "_add_rmsnorm_quant_kernel":
-        constexprs = {**common, "GROUPS_P2": 32, "HAS_RESIDUAL": True}
-        pointers = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv",
-                        s_ptr="*fp32")
-        scalars = {"k_groups": "i32", "eps": "fp32", **dict.fromkeys(
-            ["stride_xm", "stride_rm", "stride_om", "stride_qm", "stride_sm", "stride_sg"], "i32")}
-    else:
-        constexprs = {**common, "GROUPS": nq.ACT_QUANT_GROUPS}
-        pointers = dict(gu_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
-        scalars = dict.fromkeys(["k_groups", "half", "stride_gm", "stride_om", "stride_qm", "stride_sm",
-                                 "stride_sg"], "i32")
+    if kernel == "_add_rmsnorm_quant_kernel":  # a 4096-wide row, as scripts/kernel_asm.py --kernel norm builds it
+        import kernel_asm
+
+        return kernel_asm.compile_norm_kernel(4096, 4, pdl)["ptx"]
+    constexprs = {"GROUP": 128, "FP8_MAX": FP8_MAX, "AMAX_FLOOR_BITS": nq._AMAX_FLOOR_BITS, "PDL": pdl,
+                  "GROUPS": nq.ACT_QUANT_GROUPS}
+    pointers = dict(gu_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
+    scalars = dict.fromkeys(["k_groups", "half", "stride_gm", "stride_om", "stride_qm", "stride_sm", "stride_sg"],
+                            "i32")
     signature = {**pointers, **scalars, **dict.fromkeys(constexprs, "constexpr")}
     compiled = triton.compile(ASTSource(fn=getattr(nq, kernel), signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
