@@ -74,6 +74,8 @@ from decode_roofline_child import ENV  # scripts/decode_roofline_child.py: the c
 CONFIGS = ["bf16", "fp8_online_blockwise", "fp8_online_blockwise_kv"]
 BATCH_SIZES = [1, 8, 32, 128, 384]
 CONTEXTS = [1024, 4096, 12288]
+PROFILE_CELLS = [(8, 4096), (128, 1024)]  # a small-batch step and a large one
+CHECK_CELLS = [(8, 4096)]
 STOP_MARGIN_S = 30  # a child starts no cell in the last seconds of its timeout: trace export, jsonl, exit
 SHAPE_KEYS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings",
@@ -87,6 +89,11 @@ def parse_cell(text: str) -> tuple[int, int]:
     if not m:
         raise argparse.ArgumentTypeError(f"a cell is BATCHxCONTEXT, e.g. 8x4096, not {text!r}")
     return int(m[1]), int(m[2])
+
+
+def _cells(cells: list[tuple[int, int]]) -> str:
+    """[(8, 4096)] -> '8x4096'."""
+    return " ".join(f"{b}x{c}" for b, c in cells)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -243,10 +250,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="decode steps per cell (bench_one_batch --output-len N+1)")
     p.add_argument("--b2b-calls", type=int, default=8, help="forward + sample calls per back-to-back timing")
     p.add_argument("--b2b-timings", type=int, default=3, help="back-to-back timings per cell (the last steps)")
-    p.add_argument("--profile-cells", nargs="*", type=parse_cell, default=[(8, 4096), (128, 1024)], metavar="BxC")
+    p.add_argument("--profile-cells", nargs="*", type=parse_cell, default=None, metavar="BxC",
+                   help=f"cells profiled (default: those of {_cells(PROFILE_CELLS)} in the grid)")
     p.add_argument("--profile-steps", type=int, default=3)
-    p.add_argument("--check-cells", nargs="*", type=parse_cell, default=[(8, 4096)], metavar="BxC",
-                   help="cells measured once more after a real prefill")
+    p.add_argument("--check-cells", nargs="*", type=parse_cell, default=None, metavar="BxC",
+                   help=f"cells measured once more after a real prefill (default: those of {_cells(CHECK_CELLS)} in "
+                   "the grid)")
     p.add_argument("--prefill", choices=["skip", "real"], default="skip", help="real: bench_one_batch's own prefill "
                    "in every cell (cells whose prefill does not fit in memory then fail)")
     p.add_argument("--no-kv-fill", action="store_true", help="leave the KV pool as SGLang allocated it (zeros)")
@@ -268,7 +277,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recorded", default=None, metavar="ROOFLINE_JSON", help="with --dry-run: rebuild its report")
     p.add_argument("--dry-run", action="store_true", help="print the commands (and rebuild --recorded) and exit")
     a = p.parse_args(argv)
-    for name in ("profile_cells", "check_cells"):
+    for name, default in (("profile_cells", PROFILE_CELLS), ("check_cells", CHECK_CELLS)):
+        if getattr(a, name) is None:  # a smaller grid keeps the default cells it holds, not an error
+            setattr(a, name, [c for c in default if c[0] in a.batch_sizes and c[1] in a.contexts])
         for bs, ctx in getattr(a, name):
             if bs not in a.batch_sizes or ctx not in a.contexts:
                 p.error(f"--{name.replace('_', '-')} {bs}x{ctx} is not in the grid")

@@ -10,6 +10,7 @@ import gzip
 import json
 import os
 import statistics
+import time
 import types
 
 import bench_rollout as BR
@@ -384,6 +385,19 @@ def test_parser_refusals(capsys):
     assert DR.parse_args(["--profile-cells", "--check-cells"]).profile_cells == []
 
 
+def test_a_smaller_grid_keeps_the_default_cells_it_holds():
+    """The default profile / check cells outside a grid given on the command line are left out, not refused (a
+    GPU call once ended at once on '--profile-cells 128x1024 is not in the grid'); named ones are still checked."""
+    a = DR.parse_args(["--batch-sizes", "1", "8", "--contexts", "4096", "12288"])
+    assert a.profile_cells == [(8, 4096)] and a.check_cells == [(8, 4096)]
+    a = DR.parse_args(["--batch-sizes", "1", "--contexts", "4096"])
+    assert a.profile_cells == [] and a.check_cells == []
+    a = DR.parse_args(["--batch-sizes", "128", "--contexts", "1024", "4096"])
+    assert a.profile_cells == [(128, 1024)] and a.check_cells == []
+    with pytest.raises(SystemExit):
+        DR.parse_args(["--batch-sizes", "1", "8", "--profile-cells", "128x1024"])
+
+
 def test_dry_run_prints_one_bench_process_per_config(capsys, tmp_path):
     assert DR.main(["--dry-run", "--out", str(tmp_path), "--model-dir", "/m"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -537,6 +551,20 @@ def test_suite_stage_runs_the_script_with_a_deadline_and_its_args(tmp_path):
     a = DR.parse_args(line.split("decode_roofline.py", 1)[1].split())
     assert a.out == f"{tmp_path}/work/roofline" and a.model_dir == f"{tmp_path}/work/models"
     assert 400 < a.deadline_s < 560 and a.configs == ["fp8_online_blockwise_kv"] and a.steps == 16
+
+
+def test_the_suite_summary_leaves_out_a_report_an_earlier_call_left(tmp_path):
+    """A stage that wrote nothing (its script refused its arguments) shows no report in the summary, nor in $OUT,
+    though an earlier call of a warm machine left one in $WORK (a failed roofline once printed the call before's)."""
+    old = tmp_path / "work" / "roofline" / "roofline.md"
+    old.parent.mkdir(parents=True)
+    old.write_text("## Decode roofline: THE CALL BEFORE\n")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    stage_command_lines(tmp_path, "roofline", "decode_roofline.py")
+    assert "THE CALL BEFORE" not in (tmp_path / "out" / "suite_summary.md").read_text()
+    assert not (tmp_path / "out" / "roofline.md").exists()
+    stage_command_lines(tmp_path, "tests", "pytest")  # a stage log written during the call is shown
+    assert "## tests (tail)" in (tmp_path / "out" / "suite_summary.md").read_text()
 
 
 def test_hooks_drive_bench_one_batchs_cells(tmp_path):

@@ -297,6 +297,8 @@ for st in "$@"; do
 done
 
 # ---- summary ------------------------------------------------------------------------------------------------
+# fresh FILE: FILE was written by this call (after its env.txt), not left in $WORK by an earlier call of a warm machine
+fresh() { [ -f "$1" ] && [ "$1" -nt "$LOGS/env.txt" ]; }
 SUM=$WORK/suite_summary_$STAMP.md
 {
   echo "# sglang-fp8rl GPU suite ($(date -u '+%Y-%m-%d %H:%M UTC'), stages: $*)"
@@ -305,28 +307,28 @@ SUM=$WORK/suite_summary_$STAMP.md
   printf '%s\n' "${STATUS[@]}"
   for st in "$@"; do
     case $st in
-      tests) [ -f "$LOGS/tests.log" ] && { echo; echo "## tests (tail)"; grep -v "^\s*$" "$LOGS/tests.log" | tail -15 | cut -c1-250; } ;;
+      tests) fresh "$LOGS/tests.log" && { echo; echo "## tests (tail)"; grep -v "^\s*$" "$LOGS/tests.log" | tail -15 | cut -c1-250; } ;;
       accuracy) [ -f "$WORK/toy/train_report.json" ] && { echo; $PY -c "import json; r=json.load(open('$WORK/toy/train_report.json')); print(f\"toy policy: {r['steps']} steps, {r['train_seconds']} s, held-out EM (HF greedy, bf16) {r['heldout_exact_match_bf16_hf_greedy']:.4f}\")"; }
-                [ -f "$WORK/accuracy/summary.md" ] && { echo; cat "$WORK/accuracy/summary.md"; } ;;
-      kv_acc) [ -f "$WORK/kv_acc/summary.md" ] && { echo; cat "$WORK/kv_acc/summary.md"; } ;;
-      kvcheck) [ -f "$LOGS/kvcheck.log" ] && { echo; echo "## kvcheck"; grep -E "^\|" "$LOGS/kvcheck.log"; } ;;
-      colocated) [ -f "$WORK/colocated/summary.md" ] && { echo; cat "$WORK/colocated/summary.md"; } ;;
-      broadcast) [ -f "$LOGS/broadcast.log" ] && { echo; echo "## broadcast"; grep -E "^\||FAIL" "$LOGS/broadcast.log"; } ;;
-      rollout|profile|moe|kv|kv_fi|tail|eager) [ -f "$WORK/$st/summary.md" ] && { echo; echo "## $st"; cat "$WORK/$st/summary.md"; }
-                [ "$st" = profile ] && [ -f "$WORK/profile/profile_top_kernels.txt" ] && head -30 "$WORK/profile/profile_top_kernels.txt" ;;
-      server) if [ -f "$WORK/server/summary.md" ]; then echo; cat "$WORK/server/summary.md"
-              elif [ -f "$WORK/server/check_server.json" ]; then echo; echo "## server"; cat "$WORK/server/check_server.json"; fi ;;
-      quant) [ -f "$LOGS/quant.log" ] && { echo; echo "## quant"; tail -40 "$LOGS/quant.log"; } ;;
-      update) [ -f "$WORK/update/summary.md" ] && { echo; echo "## update"; cat "$WORK/update/summary.md"; } ;;
-      startup) [ -f "$WORK/startup/summary.md" ] && { echo; cat "$WORK/startup/summary.md"; } ;;
-      rl) [ -f "$WORK/rl/summary.md" ] && { echo; cat "$WORK/rl/summary.md"; } ;;
-      rl_rollout) [ -f "$WORK/rl_rollout/summary.md" ] && { echo; cat "$WORK/rl_rollout/summary.md"; } ;;
-      server_step) [ -f "$WORK/server_step/profile_server_step.md" ] && { echo; cat "$WORK/server_step/profile_server_step.md"; } ;;
-      roofline) [ -f "$WORK/roofline/roofline.md" ] && { echo; cat "$WORK/roofline/roofline.md"; } ;;
-      demo) [ -f "$LOGS/demo.log" ] && { echo; echo "## demo"; grep -E "^\[demo\] .*(healthy|FAILED)" "$LOGS/demo.log"
+                fresh "$WORK/accuracy/summary.md" && { echo; cat "$WORK/accuracy/summary.md"; } ;;
+      kv_acc) fresh "$WORK/kv_acc/summary.md" && { echo; cat "$WORK/kv_acc/summary.md"; } ;;
+      kvcheck) fresh "$LOGS/kvcheck.log" && { echo; echo "## kvcheck"; grep -E "^\|" "$LOGS/kvcheck.log"; } ;;
+      colocated) fresh "$WORK/colocated/summary.md" && { echo; cat "$WORK/colocated/summary.md"; } ;;
+      broadcast) fresh "$LOGS/broadcast.log" && { echo; echo "## broadcast"; grep -E "^\||FAIL" "$LOGS/broadcast.log"; } ;;
+      rollout|profile|moe|kv|kv_fi|tail|eager) fresh "$WORK/$st/summary.md" && { echo; echo "## $st"; cat "$WORK/$st/summary.md"; }
+                [ "$st" = profile ] && fresh "$WORK/profile/profile_top_kernels.txt" && head -30 "$WORK/profile/profile_top_kernels.txt" ;;
+      server) if fresh "$WORK/server/summary.md"; then echo; cat "$WORK/server/summary.md"
+              elif fresh "$WORK/server/check_server.json"; then echo; echo "## server"; cat "$WORK/server/check_server.json"; fi ;;
+      quant) fresh "$LOGS/quant.log" && { echo; echo "## quant"; tail -40 "$LOGS/quant.log"; } ;;
+      update) fresh "$WORK/update/summary.md" && { echo; echo "## update"; cat "$WORK/update/summary.md"; } ;;
+      startup) fresh "$WORK/startup/summary.md" && { echo; cat "$WORK/startup/summary.md"; } ;;
+      rl) fresh "$WORK/rl/summary.md" && { echo; cat "$WORK/rl/summary.md"; } ;;
+      rl_rollout) fresh "$WORK/rl_rollout/summary.md" && { echo; cat "$WORK/rl_rollout/summary.md"; } ;;
+      server_step) fresh "$WORK/server_step/profile_server_step.md" && { echo; cat "$WORK/server_step/profile_server_step.md"; } ;;
+      roofline) fresh "$WORK/roofline/roofline.md" && { echo; cat "$WORK/roofline/roofline.md"; } ;;
+      demo) fresh "$LOGS/demo.log" && { echo; echo "## demo"; grep -E "^\[demo\] .*(healthy|FAILED)" "$LOGS/demo.log"
                 sed -n '/^== \(scheme summary\|server start-up\)/,$p' "$LOGS/demo.log" | cut -c1-250; } ;;
-      gemm) [ -f "$LOGS/gemm.log" ] && { echo; echo "## gemm"; grep -E "^\||^copy" "$LOGS/gemm.log" | head -60; } ;;
-      gemm_ab) for d in all without; do [ -f "$WORK/gemm_ab/$d/roofline.md" ] || continue
+      gemm) fresh "$LOGS/gemm.log" && { echo; echo "## gemm"; grep -E "^\||^copy" "$LOGS/gemm.log" | head -60; } ;;
+      gemm_ab) for d in all without; do fresh "$WORK/gemm_ab/$d/roofline.md" || continue
                  echo; echo "## gemm_ab: $d (the second run: $GEMM_AB_CHANGE)"
                  grep -h "gemm_select" "$WORK/gemm_ab/$d"/raw/*.log 2>/dev/null | head -5
                  sed -n '/^### /,/^Cells/p' "$WORK/gemm_ab/$d/roofline.md" | head -24; done ;;
@@ -349,7 +351,7 @@ for pair in rollout/results.json:rollout_results.json accuracy/accuracy.json:acc
             server_step/profile_server_step.json:profile_server_step.json gemm_ab/all/roofline.json:gemm_ab_all.json \
             gemm_ab/without/roofline.json:gemm_ab_without.json; do
   src=$WORK/${pair%%:*}
-  if [ -f "$src" ] && [ "$src" -nt "$LOGS/env.txt" ] && [ "$NCOPY" -lt 6 ]; then  # $OUT returns at most 8 files
+  if fresh "$src" && [ "$NCOPY" -lt 6 ]; then  # $OUT returns at most 8 files
     cp "$src" "$OUT/${pair##*:}" && NCOPY=$(( NCOPY + 1 ))
   fi
 done
