@@ -24,6 +24,8 @@ Configs (--configs, run in the order given):
   fp8_kv_forms   fp8_kv + --fp8rl-split-kv-forms single_plan,step_plan,fused_merge (fewer split-KV launches)
   fp8_kv_noforms fp8_kv + --fp8rl-split-kv-forms none (the split-KV kernel before the forms: their baseline)
   fp8_kv_lean    fp8_kv + --fp8rl-decode-query bf16 --fp8rl-producer-quant on (every launch-saving opt-in)
+  fp8_kv_auto32  fp8_kv + --fp8rl-split-kv-max-batch 32 (auto gives the split-KV kernel batches up to 32 sequences,
+                 not 8: the candidate for auto's limit)
   fp8_kv_triton  fp8_kv + --attention-backend triton
   fp8_kv_flashinfer  fp8_kv + --attention-backend flashinfer (its first start JIT-compiles FlashInfer's kernels)
   fp8_kv_fi_decode   fp8_kv + --decode-attention-backend flashinfer (prefill on FA3, decode on FlashInfer's FP8
@@ -114,6 +116,7 @@ CONFIGS: dict[str, list[str]] = {
     "fp8_kv_forms": [*BRC._ONLINE, *BRC._FP8_KV, *BRC.ALL_FORMS],
     "fp8_kv_noforms": [*BRC._ONLINE, *BRC._FP8_KV, *BRC.NO_FORMS],
     "fp8_kv_lean": [*BRC._ONLINE, *BRC._FP8_KV, *BRC.LEAN],
+    "fp8_kv_auto32": [*BRC._ONLINE, *BRC._FP8_KV, BRC.MAX_BATCH_FLAG, "32"],
     "fp8_kv_triton": [*BRC._ONLINE, *BRC._FP8_KV, "--attention-backend", "triton"],
     "fp8_kv_flashinfer": [*BRC._ONLINE, *BRC._FP8_KV, "--attention-backend", "flashinfer"],
     "fp8_kv_fi_decode": [*BRC._ONLINE, *BRC._FP8_KV, "--decode-attention-backend", "flashinfer"],

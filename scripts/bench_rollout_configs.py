@@ -17,6 +17,7 @@ _FP8_KV = ["--kv-cache-dtype", "fp8_e4m3"]
 DECODE_ATTENTION_FLAG = "--fp8rl-decode-attention"
 DECODE_QUERY_FLAG = "--fp8rl-decode-query"
 FORMS_FLAG = "--fp8rl-split-kv-forms"
+MAX_BATCH_FLAG = "--fp8rl-split-kv-max-batch"
 # every form of the split-KV kernel (kernels/split_kv_plan.FORMS): the config that measures them in the served step
 ALL_FORMS = [FORMS_FLAG, "single_plan,step_plan,fused_merge"]
 # none of them: the kernel as it ran before the forms, against which the default forms are measured

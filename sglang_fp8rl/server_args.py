@@ -15,7 +15,7 @@ import os
 import re
 from typing import Any, Sequence
 
-from sglang_fp8rl.kernels.attention_select import CAST_QUERY, UNCAST_QUERY
+from sglang_fp8rl.kernels.attention_select import AUTO_MAX_BATCH, CAST_QUERY, UNCAST_QUERY, check_max_batch
 from sglang_fp8rl.kernels.attention_select import FA3 as DECODE_ATTENTION_FA3
 from sglang_fp8rl.kernels.attention_select import MODES as DECODE_ATTENTION_MODES
 from sglang_fp8rl.kernels.attention_select import QUERY_MODES as DECODE_QUERY_MODES
@@ -54,6 +54,7 @@ class Fp8rlOptions:
     decode_attention: str = "auto"
     decode_query: str = CAST_QUERY
     split_kv_forms: tuple[str, ...] = DEFAULT_SPLIT_KV_FORMS
+    split_kv_max_batch: int = AUTO_MAX_BATCH
     producer_quant: str = "off"
 
     def __post_init__(self) -> None:
@@ -92,6 +93,7 @@ class Fp8rlOptions:
                 or set(forms) - set(SPLIT_KV_FORMS):
             raise ValueError(f"--fp8rl-split-kv-forms must name forms of {SPLIT_KV_FORMS}, got {forms!r}")
         object.__setattr__(self, "split_kv_forms", tuple(dict.fromkeys(forms)))
+        check_max_batch(self.split_kv_max_batch)
         if self.producer_quant not in PRODUCER_QUANT_MODES:
             raise ValueError(f"--fp8rl-producer-quant must be one of {PRODUCER_QUANT_MODES}, "
                              f"got {self.producer_quant!r}")
@@ -232,6 +234,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "single_plan (a batch of one plans inside the kernels), step_plan (one plan a decode step for all "
              "layers), fused_merge (the last split of each sequence merges), or none. Default: "
              f"{','.join(d.split_kv_forms) or 'none'}.",
+    )
+    group.add_argument(
+        _flag("split_kv_max_batch"), type=int, default=d.split_kv_max_batch, metavar="N",
+        help="With --fp8rl-decode-attention auto: decode batches of at most N sequences go to the split-KV kernel, "
+             f"larger ones to FA3 (default {d.split_kv_max_batch}); split_kv and fa3 ignore it.",
     )
     group.add_argument(
         _flag("producer_quant"), choices=PRODUCER_QUANT_MODES, default=d.producer_quant,

@@ -164,7 +164,7 @@ def _server_parser():
 def test_server_commands_parse_with_sglang_server_args(fa3_fallback):
     """Every config's launch_server command line is accepted by SGLang 0.5.17's own ServerArgs parser."""
     from sglang_fp8rl.compat.runtime import decode_graph_limit_fields
-    from sglang_fp8rl.server_args import FP8_DECODE_GRAPH_MAX_BS
+    from sglang_fp8rl.server_args import FP8_DECODE_GRAPH_MAX_BS, options_from_namespace
 
     parser = _server_parser()
     args = RR.parse_args(["--configs", *RR.CONFIGS, "--extra-args", "all=--max-running-requests=512",
@@ -190,6 +190,8 @@ def test_server_commands_parse_with_sglang_server_args(fa3_fallback):
         assert ns.decode_attention_backend == ("flashinfer" if name == "fp8_kv_fi_decode" else None)
         assert ns.fp8rl_gemm_select == ("off" if name == "fp8" else "auto")
         assert ns.fp8rl_kv_scales == ("static" if name == "fp8_kv" else "auto")
+        assert ns.fp8rl_split_kv_max_batch == (32 if name == "fp8_kv_auto32" else 8)
+        options_from_namespace(ns)  # every config's --fp8rl-* values are valid options
         assert p["env"]["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "0"
         # bf16_graphs512: the decode capture the plugin sets for FP8, in the field it sets (this release's)
         max_field, _ = decode_graph_limit_fields(ns)

@@ -86,6 +86,15 @@ def test_auto_takes_the_kernel_up_to_its_batch_limit_and_split_kv_above_it():
         assert sel.choose("split_kv", fa3_decode_kwargs(case))[0] == "split_kv"  # the explicit mode: every batch
 
 
+@pytest.mark.parametrize("max_batch", [1, 16, 32])
+def test_auto_takes_the_kernel_up_to_the_batch_limit_it_is_given(max_batch):
+    for batch, auto_kernel in ((1, "split_kv"), (max_batch, "split_kv"), (max_batch + 1, "fa3")):
+        case = paged_case(1, batch, 2, 4, 64, 1, [3] * batch)
+        kernel, why = sel.choose("auto", fa3_decode_kwargs(case), max_batch)
+        assert kernel == auto_kernel, (batch, why)
+        assert (f"above {max_batch} sequences" if kernel == "fa3" else f"batches up to {max_batch} sequences") in why
+
+
 class Recorder:
     """A stand-in for FA3's flash_attn_with_kvcache: records its calls, returns a new object each time."""
 
@@ -416,6 +425,36 @@ def test_install_hands_the_split_kv_forms_to_every_kernel_call(fa3_module, caplo
         assert passed == forms and (plans is not None) == ("step_plan" in forms)
     with pytest.raises(ValueError, match=r"--fp8rl-split-kv-forms: unknown form\(s\) \['merge'\]"):
         sel.dispatching(Recorder(), "auto", forms=("merge",))
+
+
+def test_install_hands_the_batch_limit_to_auto(fa3_module, caplog, monkeypatch):
+    """--fp8rl-split-kv-max-batch reaches the dispatcher: a batch of 12 goes to the kernel under a limit of 16 and to
+    FA3 under the default 8; the install's log line names the limit."""
+    monkeypatch.setattr(sel, "run_split_kv", lambda kwargs, hand_over=False, plans=None, forms=(): "kernel")
+    case = paged_case(1, 12, 2, 4, 64, 1, [3] * 12)
+    for max_batch, kernel in ((16, "kernel"), (sel.AUTO_MAX_BATCH, None)):
+        set_options(decode_attention="auto", split_kv_max_batch=max_batch)
+        original = fa3_module.flash_attn_with_kvcache = Recorder()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="sglang_fp8rl.hooks.attention"):
+            assert install_decode_attention(runner(fa3_module.FlashAttentionBackend())) == "installed"
+        assert f"(auto: batches up to {max_batch} sequences; forms:" in caplog.text
+        got = fa3_module.flash_attn_with_kvcache(**fa3_decode_kwargs(case))
+        assert got == (kernel or original.results[-1]) and len(original.calls) == (0 if kernel else 1)
+
+
+def test_the_batch_limit_option():
+    assert parse_args([]).split_kv_max_batch == sel.AUTO_MAX_BATCH == Fp8rlOptions().split_kv_max_batch == 8
+    assert parse_args(["--fp8rl-split-kv-max-batch", "32"]).split_kv_max_batch == 32
+    for bad in (0, -1, 2.5, True, "16"):
+        with pytest.raises(ValueError, match="--fp8rl-split-kv-max-batch must be an integer >= 1"):
+            Fp8rlOptions(split_kv_max_batch=bad)
+    with pytest.raises(ValueError, match="--fp8rl-split-kv-max-batch"):
+        parse_args(["--fp8rl-split-kv-max-batch", "0"])
+    with pytest.raises(ValueError, match="--fp8rl-split-kv-max-batch"):
+        sel.dispatching(Recorder(), "auto", max_batch=0)
+    published = set_options(split_kv_max_batch=24)
+    assert published.split_kv_max_batch == 24 and get_options() == published
 
 
 def test_install_on_another_backend(fa3_module):

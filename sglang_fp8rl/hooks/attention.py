@@ -66,13 +66,14 @@ def install_decode_attention(runner: Any) -> str:
     # a dispatcher already there (a second install) is replaced, not wrapped: dispatching unwraps it
     forms = options.split_kv_forms
     setattr(module, FA3_DECODE_FUNCTION, dispatching(getattr(module, FA3_DECODE_FUNCTION), mode, hand_over, query,
-                                                     forms))
+                                                     forms, options.split_kv_max_batch))
     if query == UNCAST_QUERY:  # only once the dispatcher that casts for FA3 is in place
         keep_decode_query(backend)
         # and hands over no copy of the query either (a second install finds it wrapped and keeps it)
         backend.forward_decode = reading_the_model_query(backend.forward_decode)
     logger.info("[fp8rl] decode attention: plain FP8-KV decode calls of %s go to the split-KV kernel (%s; forms: "
-                "%s)%s%s", module.__name__, mode, ", ".join(forms) or "none", "; its output's 1x128 codes go to "
+                "%s)%s%s", module.__name__, f"auto: batches up to {options.split_kv_max_batch} sequences"
+                if mode == "auto" else mode, ", ".join(forms) or "none", "; its output's 1x128 codes go to "
                 "o_proj (--fp8rl-producer-quant on)" if hand_over else "", "; it reads the BF16 query, FA3's calls "
                 "get it in E4M3 (--fp8rl-decode-query bf16)" if query == UNCAST_QUERY else "")
     return "installed"

@@ -42,7 +42,7 @@ MAX_FP8_HEAD_DIM = 256  # SGLang casts the query to an FP8 cache's dtype for hea
 # (17.19 against 16.11 ms at 33-64, 0.92-0.94x up to 256): at ragged contexts over many sequences its programs are
 # short (a few tiles each), and each pays a start the programs of long contexts amortize (kernel alone, 128 ragged
 # contexts of mean 1k: 0.69-0.84x FA3; 128 equal ones: 1.01x).
-AUTO_MAX_BATCH = 8
+AUTO_MAX_BATCH = 8  # the default of --fp8rl-split-kv-max-batch
 _MARK = "_fp8rl_decode_attention"
 
 # FA3 keywords a plain decode call may carry with any value (the call's operands and settings we honour or that do
@@ -97,8 +97,16 @@ def split_kv_blocker(kwargs: Mapping[str, Any]) -> str | None:
                       kwargs["cache_seqlens"])
 
 
-def choose(mode: str, kwargs: Mapping[str, Any]) -> tuple[str, str]:
-    """(kernel, why) for one FA3 call under ``--fp8rl-decode-attention mode``."""
+def check_max_batch(max_batch: Any) -> int:
+    """``--fp8rl-split-kv-max-batch``: a whole number of sequences >= 1, or ValueError."""
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+        raise ValueError(f"--fp8rl-split-kv-max-batch must be an integer >= 1, got {max_batch!r}")
+    return max_batch
+
+
+def choose(mode: str, kwargs: Mapping[str, Any], max_batch: int = AUTO_MAX_BATCH) -> tuple[str, str]:
+    """(kernel, why) for one FA3 call under ``--fp8rl-decode-attention mode``; ``auto`` sends batches of at most
+    ``max_batch`` sequences to the split-KV kernel."""
     if mode not in MODES:
         raise ValueError(f"--fp8rl-decode-attention must be one of {MODES}, got {mode!r}")
     if mode == FA3:
@@ -106,10 +114,10 @@ def choose(mode: str, kwargs: Mapping[str, Any]) -> tuple[str, str]:
     reason = split_kv_blocker(kwargs)
     if reason:
         return FA3, reason
-    if mode == "auto" and kwargs["q"].shape[0] > AUTO_MAX_BATCH:
-        return FA3, f"decode batches above {AUTO_MAX_BATCH} sequences (auto; split_kv takes them)"
+    if mode == "auto" and kwargs["q"].shape[0] > max_batch:
+        return FA3, f"decode batches above {max_batch} sequences (auto; split_kv takes them)"
     if mode == "auto":
-        return SPLIT_KV, f"plain decode over an E4M3 cache, batches up to {AUTO_MAX_BATCH} sequences"
+        return SPLIT_KV, f"plain decode over an E4M3 cache, batches up to {max_batch} sequences"
     return SPLIT_KV, "plain decode over an E4M3 cache (split_kv)"
 
 
@@ -170,10 +178,12 @@ def with_real_query(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[st
 
 
 def dispatching(original: Callable, mode: str, hand_over: bool = False, query: str = CAST_QUERY,
-                forms: tuple[str, ...] = DEFAULT_FORMS) -> Callable:
+                forms: tuple[str, ...] = DEFAULT_FORMS, max_batch: int = AUTO_MAX_BATCH) -> Callable:
     """``original`` (FA3's ``flash_attn_with_kvcache``) with plain FP8 decode calls sent to the split-KV kernel
     (``hand_over``: see :func:`run_split_kv`; ``query`` "bf16": decode queries arrive uncast, and the calls that go to
-    FA3 are cast here first, see :func:`cast_query`; ``forms``: the kernel's forms, split_kv_plan.FORMS)."""
+    FA3 are cast here first, see :func:`cast_query`; ``forms``: the kernel's forms, split_kv_plan.FORMS;
+    ``max_batch``: the largest batch ``auto`` gives the kernel)."""
+    check_max_batch(max_batch)
     if query not in QUERY_MODES:
         raise ValueError(f"--fp8rl-decode-query must be one of {QUERY_MODES}, got {query!r}")
     unknown = sorted(set(forms) - set(FORMS))
@@ -189,7 +199,7 @@ def dispatching(original: Callable, mode: str, hand_over: bool = False, query: s
             return FA3, "positional arguments"
         if unbuildable:
             return FA3, unbuildable[0]
-        return choose(mode, kwargs)
+        return choose(mode, kwargs, max_batch)
 
     def flash_attn_with_kvcache(*args: Any, **kwargs: Any) -> Any:
         if query == UNCAST_QUERY:  # the model's query back in place of the decode's placeholder, before any read
