@@ -1,15 +1,16 @@
 """Which kernel runs a decode step's attention over an FP8 KV cache: SGLang's FlashAttention-3 call, or this package's
 split-KV kernel (:mod:`sglang_fp8rl.kernels.fp8_decode_attention`).
 
-SGLang's FA3 backend calls its module's ``flash_attn_with_kvcache`` for every attention call (prefill, decode,
-cascade, cross attention); :func:`dispatching` wraps that function (hooks/attention.py installs it before any CUDA
-graph is captured). Each call is judged by its keywords alone, on the host, so a captured graph replays the kernel its
-capture chose: a call that is a plain one-token-per-sequence decode over an E4M3 cache with its descales, that the
-split-KV kernel can take, goes to it under ``--fp8rl-decode-attention split_kv``, and under ``auto`` (the default)
-when the batch holds at most ``AUTO_MAX_BATCH`` sequences; every other call, and every call under ``fa3``, goes to
-FA3 unchanged. Each decision is logged once, with its reason. Under ``--fp8rl-decode-query bf16`` the backend's decode
-hands the query on uncast (compat/fa3_query.py) and in place of SGLang's copy of it (kernels/query_placeholder.py): the
-kernel reads it as it lies in qkv, and the calls that go to FA3 get SGLang's E4M3 cast here (:func:`for_fa3`).
+SGLang's FA3 backend calls its module's ``flash_attn_with_kvcache`` for every attention call (prefill, decode, cascade,
+cross attention); :func:`dispatching` wraps that function (hooks/attention.py installs it before any CUDA graph is
+captured). Each call is judged by its keywords alone, on the host, so a captured graph replays the kernel its capture
+chose: a call that is a plain one-token-per-sequence decode over an E4M3 cache with its descales, that the split-KV
+kernel can take, goes to it under ``--fp8rl-decode-attention split_kv``, and under ``auto`` (the default) when the batch
+holds at most ``--fp8rl-split-kv-max-batch`` sequences (``AUTO_MAX_BATCH`` unless set); every other call, and every call
+under ``fa3``, goes to FA3 unchanged. Each decision is logged once, with its reason. Under ``--fp8rl-decode-query bf16``
+the backend's decode hands the query on uncast (compat/fa3_query.py) and in place of SGLang's copy of it
+(kernels/query_placeholder.py): the kernel reads it as it lies in qkv, and the calls that go to FA3 get SGLang's E4M3
+cast here (:func:`for_fa3`).
 """
 
 from __future__ import annotations
