@@ -93,6 +93,9 @@ def test_auto_takes_the_kernel_up_to_the_batch_limit_it_is_given(max_batch):
         kernel, why = sel.choose("auto", fa3_decode_kwargs(case), max_batch)
         assert kernel == auto_kernel, (batch, why)
         assert (f"above {max_batch} sequences" if kernel == "fa3" else f"batches up to {max_batch} sequences") in why
+        # the explicit modes ignore the limit
+        assert sel.choose("split_kv", fa3_decode_kwargs(case), max_batch)[0] == "split_kv"
+        assert sel.choose("fa3", fa3_decode_kwargs(case), max_batch)[0] == "fa3"
 
 
 class Recorder:
