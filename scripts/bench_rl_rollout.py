@@ -19,13 +19,14 @@ Configs (--configs, run in the order given):
   fp8_kv         fp8 + --kv-cache-dtype fp8_e4m3 (the plugin calibrates the K/V scales at load)
   fp8_kv_fa3     fp8_kv + --fp8rl-decode-attention fa3 (FlashAttention-3's FP8 decode at every batch size)
   fp8_kv_splitkv fp8_kv + --fp8rl-decode-attention split_kv (the plugin's split-KV decode at every batch size; fp8_kv,
-                 the default auto, takes it up to 8 sequences and FA3 above)
+                 the default auto, takes it up to 32 sequences and FA3 above)
   fp8_kv_bf16q   fp8_kv + --fp8rl-decode-query bf16 (the split-KV kernel reads the BF16 query: no E4M3 cast launch)
   fp8_kv_forms   fp8_kv + --fp8rl-split-kv-forms single_plan,step_plan,fused_merge (fewer split-KV launches)
   fp8_kv_noforms fp8_kv + --fp8rl-split-kv-forms none (the split-KV kernel before the forms: their baseline)
   fp8_kv_lean    fp8_kv + --fp8rl-decode-query bf16 --fp8rl-producer-quant on (every launch-saving opt-in)
-  fp8_kv_auto32  fp8_kv + --fp8rl-split-kv-max-batch 32 (auto gives the split-KV kernel batches up to 32 sequences,
-                 not 8: the candidate for auto's limit)
+  fp8_kv_auto8   fp8_kv + --fp8rl-split-kv-max-batch 8 (auto's earlier limit: the split-KV kernel up to 8 sequences,
+                 FA3 above; the baseline of the default 32)
+  fp8_kv_auto32  fp8_kv + --fp8rl-split-kv-max-batch 32 (the default since docs/RESULTS.md sec. 41, spelled out)
   fp8_kv_triton  fp8_kv + --attention-backend triton
   fp8_kv_flashinfer  fp8_kv + --attention-backend flashinfer (its first start JIT-compiles FlashInfer's kernels)
   fp8_kv_fi_decode   fp8_kv + --decode-attention-backend flashinfer (prefill on FA3, decode on FlashInfer's FP8
@@ -97,6 +98,7 @@ import _paths  # noqa: F401  (scripts/gpu and the checkout on sys.path)
 import bench_rollout as BR  # scripts/bench_rollout.py: the device and versions
 import bench_rollout_configs as BRC  # scripts/bench_rollout_configs.py: the FP8 flag lists
 import kv_measure as KV  # scripts/kv_measure.py: attention backends, FA3 probe, backend env
+import rollout_floor as RF  # scripts/rollout_floor.py: each decode step against its floor
 from rollout_report import _f, load_recorded, recorded_mismatches, say, summarize_config, write_outputs
 from rollout_server import REPO, run_config, skipped_record
 from rollout_workload import DISTRIBUTIONS, SCALES, WORKLOAD_DEFAULTS, describe_workload, make_workload
@@ -116,6 +118,7 @@ CONFIGS: dict[str, list[str]] = {
     "fp8_kv_forms": [*BRC._ONLINE, *BRC._FP8_KV, *BRC.ALL_FORMS],
     "fp8_kv_noforms": [*BRC._ONLINE, *BRC._FP8_KV, *BRC.NO_FORMS],
     "fp8_kv_lean": [*BRC._ONLINE, *BRC._FP8_KV, *BRC.LEAN],
+    "fp8_kv_auto8": [*BRC._ONLINE, *BRC._FP8_KV, BRC.MAX_BATCH_FLAG, "8"],
     "fp8_kv_auto32": [*BRC._ONLINE, *BRC._FP8_KV, BRC.MAX_BATCH_FLAG, "32"],
     "fp8_kv_triton": [*BRC._ONLINE, *BRC._FP8_KV, "--attention-backend", "triton"],
     "fp8_kv_flashinfer": [*BRC._ONLINE, *BRC._FP8_KV, "--attention-backend", "flashinfer"],
@@ -292,6 +295,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="wall budget (s) for all configs; a config that cannot get --min-s is skipped (0: none)")
     p.add_argument("--min-s", type=float, default=150,
                    help="skip a config when less than this is left; every later config keeps this much of the deadline")
+    p.add_argument("--bandwidth-gbps", type=float, default=None,
+                   help="copy bandwidth of the floors (GB/s; default: measured before the servers start, or the "
+                        "recorded answers' in a --dry-run)")
     p.add_argument("--dry-run", action="store_true",
                    help="no server: print the command lines, build the report from --recorded answers")
     p.add_argument("--recorded", nargs="+", default=[DEFAULT_RECORDED],
@@ -341,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
             env = " ".join(f"{k}={v}" for k, v in sorted(item["env"].items()))
             print(f"# {item['name']}: env {env}\n{' '.join(item['cmd'])}", flush=True)
         rec = load_recorded(args.recorded, meta["configs"])
+        meta["recorded_device"] = rec["machine"].get("device")
+        RF.set_bandwidth(meta, args.bandwidth_gbps, rec["machine"].get("bandwidth_gbps"))
         meta["recorded"] = " ".join(args.recorded)
         meta["recorded_sources"] = rec["sources"]
         meta["recorded_mismatch"] = recorded_mismatches(rec["configs"], workload["max_new_tokens"])
@@ -360,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     import make_models  # scripts/gpu/make_models.py
 
     make_models.ensure(os.path.abspath(args.model_dir), [args.model])
+    RF.set_bandwidth(meta, args.bandwidth_gbps, None, measure=True)
     os.makedirs(out, exist_ok=True)
     say(f"{meta.get('device')} | {meta.get('versions')} | configs {meta['configs']}, model {model_path}")
     t_start = time.time()

@@ -22,7 +22,7 @@ Opt-in (--configs), the FP8 KV cache of issue 15:
   fp8_online_blockwise_kv_fa3     fp8_online_blockwise_kv + --fp8rl-decode-attention fa3 (FlashAttention-3's FP8
                                   decode at every batch size)
   fp8_online_blockwise_kv_splitkv fp8_online_blockwise_kv + --fp8rl-decode-attention split_kv (the plugin's split-KV
-                                  decode at every batch size; the default, auto, takes it up to 8 sequences)
+                                  decode at every batch size; the default, auto, takes it up to 32 sequences)
   fp8_online_blockwise_kv_bf16q   fp8_online_blockwise_kv + --fp8rl-decode-query bf16 (the split-KV kernel reads
                                   the BF16 query, no E4M3 cast launch)
   fp8_online_blockwise_kv_forms   fp8_online_blockwise_kv + --fp8rl-split-kv-forms single_plan,step_plan,fused_merge

@@ -12,6 +12,7 @@ import re
 import time
 
 import bench_rollout_report as BRR  # scripts/bench_rollout_report.py: start-up log parsing
+import rollout_floor as RF  # scripts/rollout_floor.py: each decode step against its floor
 import rollout_regimes as RG  # scripts/rollout_regimes.py: decode steps by running requests
 from accuracy_metrics import percentile  # numpy-style linear-interpolation percentile
 
@@ -98,8 +99,9 @@ def completion_percentile(done: list[float], n_planned: int, q: float) -> float 
     return value if math.isfinite(value) else None
 
 
-def summarize_config(name: str, rec: dict, n_planned: int) -> dict:
-    """Every metric of one config from its record (requests, start-up log lines, run log lines)."""
+def summarize_config(name: str, rec: dict, n_planned: int, floor: dict | None = None) -> dict:
+    """Every metric of one config from its record (requests, start-up log lines, run log lines); with ``floor``
+    (rollout_floor.context) each band's decode steps against their floor too."""
     startup = "\n".join(rec.get("startup_log") or [])
     run = "\n".join(rec.get("run_log") or [])
     res = {"config": name, "flags": rec.get("flags", []), "status": rec.get("status", "ok"),
@@ -115,6 +117,9 @@ def summarize_config(name: str, rec: dict, n_planned: int) -> dict:
         res["max_running_requests"] = int(info["max_running_requests"])
     res["errors"] = sorted({str(r.get("error"))[:200] for r in rec.get("requests") or [] if r.get("error")})[:5]
     res["regimes"] = RG.regimes(rec.get("run_log") or [])
+    if floor:
+        res["floors"] = RF.band_floors(rec.get("run_log") or [], res["flags"], floor["shape"], floor["gbps"],
+                                       floor["peaks"])
     return res
 
 
@@ -151,9 +156,9 @@ def pick_baseline(results: dict[str, dict]) -> dict:
     return {"config": base, "candidates": cands, "why": why}
 
 
-def build_report(records: dict[str, dict], n_planned: int) -> dict[str, dict]:
+def build_report(records: dict[str, dict], n_planned: int, floor: dict | None = None) -> dict[str, dict]:
     """config -> metrics + `vs_base` ratios against the baseline of pick_baseline (in each config's `baseline`)."""
-    results = {name: summarize_config(name, rec, n_planned) for name, rec in records.items()}
+    results = {name: summarize_config(name, rec, n_planned, floor) for name, rec in records.items()}
     pick = pick_baseline(results)
     base = results.get(pick["config"]) or {}
     for res in results.values():
@@ -225,6 +230,13 @@ def format_summary(results: dict[str, dict], meta: dict) -> str:
     regimes = RG.format_regimes({name: results[name].get("regimes") or {} for name in order})
     if regimes:
         lines += [regimes, ""]
+    ctx = RF.context(meta)
+    floors = ctx and RF.format_floors({name: results[name].get("floors") or {} for name in order}, ctx["gbps"],
+                                      ctx["card"] if ctx["peaks"] else None)
+    if floors:
+        lines += [floors, ""]
+    elif meta.get("bandwidth_source"):
+        lines += [f"No floors: {meta['bandwidth_source']}.", ""]
     for name, r in results.items():
         t = (f"start {_f(r['start_s'], '{:.0f}')} s, run {_f(r['run_s'], '{:.0f}')} s, wall "
              f"{_f(r['wall_s'], '{:.0f}')} s")
@@ -263,7 +275,7 @@ def plot_curves(records: dict[str, dict], results: dict[str, dict], path: str, t
 def write_outputs(out: str, records: dict[str, dict], meta: dict, workload: dict) -> str:
     """results.json, summary.md, answers.json and completion.png into out; returns the summary text."""
     os.makedirs(out, exist_ok=True)
-    results = build_report(records, meta["workload"]["num_prompts"])
+    results = build_report(records, meta["workload"]["num_prompts"], RF.context(meta))
     text = format_summary(results, meta)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text + "\n")
@@ -274,6 +286,7 @@ def write_outputs(out: str, records: dict[str, dict], meta: dict, workload: dict
     if not meta.get("dry_run"):
         with open(os.path.join(out, "answers.json"), "w") as f:
             json.dump({"workload": meta["workload"], "max_new_tokens": workload["max_new_tokens"],
+                       "device": meta.get("device"), "bandwidth_gbps": meta.get("bandwidth_gbps"),
                        "configs": records}, f, default=str)
     try:
         why = plot_curves(records, results, os.path.join(out, "completion.png"),
@@ -290,7 +303,7 @@ def load_recorded(paths: list[str] | str, configs: list[str]) -> dict:
     files: runs made one after another, e.g. one config per GPU call; ``.gz`` files are read as gzip); SystemExit if
     one is missing."""
     paths = [paths] if isinstance(paths, str) else list(paths)
-    have, workload, source = {}, {}, {}
+    have, workload, source, machine = {}, {}, {}, {}
     for path in paths:
         try:
             with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
@@ -301,10 +314,12 @@ def load_recorded(paths: list[str] | str, configs: list[str]) -> dict:
             if name not in have:
                 have[name], source[name] = rec, path
         workload = workload or data.get("workload") or {}
+        for key in ("device", "bandwidth_gbps"):  # of the first file that recorded them
+            machine[key] = machine.get(key) or data.get(key)
     missing = [c for c in configs if c not in have]
     if missing:
         raise SystemExit(f"--recorded {' '.join(paths)} has no answers for {missing} (it has {list(have)})")
-    return {"workload": workload, "configs": {c: have[c] for c in dict.fromkeys(configs)},
+    return {"workload": workload, "machine": machine, "configs": {c: have[c] for c in dict.fromkeys(configs)},
             "sources": {c: source[c] for c in dict.fromkeys(configs)}}
 
 

@@ -190,7 +190,7 @@ def test_server_commands_parse_with_sglang_server_args(fa3_fallback):
         assert ns.decode_attention_backend == ("flashinfer" if name == "fp8_kv_fi_decode" else None)
         assert ns.fp8rl_gemm_select == ("off" if name == "fp8" else "auto")
         assert ns.fp8rl_kv_scales == ("static" if name == "fp8_kv" else "auto")
-        assert ns.fp8rl_split_kv_max_batch == (32 if name == "fp8_kv_auto32" else 8)
+        assert ns.fp8rl_split_kv_max_batch == (8 if name == "fp8_kv_auto8" else 32)
         options_from_namespace(ns)  # every config's --fp8rl-* values are valid options
         assert p["env"]["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "0"
         # bf16_graphs512: the decode capture the plugin sets for FP8, in the field it sets (this release's)
@@ -257,6 +257,11 @@ def test_decode_lines_of_the_installed_sglang_parse(caplog):
     assert d["no_graph_share"] == pytest.approx(1 / 3)
     assert d["no_graph_token_share"] == pytest.approx(300 / 596)
     assert all(REP.keep_lines(ln) == [ln] for ln in lines)
+    # the floors read each step's held tokens from the same lines, and the prefill before the first step
+    import rollout_floor as RF
+
+    # (the reporter counts the generated tokens once: the later lines show a throughput of 0, which is no step)
+    assert [(n, t, p) for n, _, t, p in RF.steps_with_tokens(lines)] == [(300, 1234, True)]
 
 
 def test_scheduler_startup_line_wording():
@@ -633,8 +638,13 @@ def test_main_runs_servers_and_replays_its_answers(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(RR, "server_command", lambda model, port, flags, seed, mem=None: [
         sys.executable, str(fake), "--port", str(port), *flags])
     monkeypatch.setattr(RR, "fa3_missing", lambda plan: "no flash_ops here")
-    monkeypatch.setitem(sys.modules, "make_models", types.SimpleNamespace(ensure=lambda d, names: None))
+    import make_models
+    import rollout_floor as RF
+
+    monkeypatch.setattr(make_models, "ensure", lambda d, names: None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
+
+    monkeypatch.setattr(RF, "measure_bandwidth_gbps", lambda: (3000.0, "measured before the servers started"))
     out = tmp_path / "run"
     wl = ["--num-prompts", "6", "--input-len", "4", "--output-median", "100", "--output-cap", "300"]
     rc = RR.main(["--out", str(out), "--model-dir", str(tmp_path), "--port-base", str(free_port()), "--deadline-s",
@@ -657,6 +667,11 @@ def test_main_runs_servers_and_replays_its_answers(tmp_path, monkeypatch, capsys
     assert RR.main(["--dry-run", "--recorded", str(out / "answers.json"), "--out", str(dry), *wl]) == 0
     replay = json.loads((dry / "results.json").read_text())
     assert replay["meta"]["recorded_mismatch"] == []
+    # the run measured the copy bandwidth before its servers, kept it with its answers, and the replay took it
+    assert json.loads((out / "answers.json").read_text())["bandwidth_gbps"] == 3000.0
+    assert replay["meta"]["bandwidth_source"] == "recorded with the answers"
+    assert replay["results"]["fp8"]["floors"] == data["results"]["fp8"]["floors"]
+    assert data["results"]["fp8"]["floors"]["all"]["steps"] >= 1
     for name in ("bf16", "fp8"):
         for key in ("makespan_s", "p50_s", "p90_s", "kv_tokens", "no_graph_share", "peak_running", "vs_base"):
             assert replay["results"][name][key] == data["results"][name][key], (name, key)

@@ -431,11 +431,12 @@ def test_install_hands_the_split_kv_forms_to_every_kernel_call(fa3_module, caplo
 
 
 def test_install_hands_the_batch_limit_to_auto(fa3_module, caplog, monkeypatch):
-    """--fp8rl-split-kv-max-batch reaches the dispatcher: a batch of 12 goes to the kernel under a limit of 16 and to
-    FA3 under the default 8; the install's log line names the limit."""
+    """--fp8rl-split-kv-max-batch reaches the dispatcher: a batch four above the default limit goes to the kernel
+    under a limit twice the default and to FA3 under the default; the install's log line names the limit."""
     monkeypatch.setattr(sel, "run_split_kv", lambda kwargs, hand_over=False, plans=None, forms=(): "kernel")
-    case = paged_case(1, 12, 2, 4, 64, 1, [3] * 12)
-    for max_batch, kernel in ((16, "kernel"), (sel.AUTO_MAX_BATCH, None)):
+    batch = sel.AUTO_MAX_BATCH + 4
+    case = paged_case(1, batch, 2, 4, 64, 1, [3] * batch)
+    for max_batch, kernel in ((2 * sel.AUTO_MAX_BATCH, "kernel"), (sel.AUTO_MAX_BATCH, None)):
         set_options(decode_attention="auto", split_kv_max_batch=max_batch)
         original = fa3_module.flash_attn_with_kvcache = Recorder()
         caplog.clear()
@@ -447,8 +448,8 @@ def test_install_hands_the_batch_limit_to_auto(fa3_module, caplog, monkeypatch):
 
 
 def test_the_batch_limit_option():
-    assert parse_args([]).split_kv_max_batch == sel.AUTO_MAX_BATCH == Fp8rlOptions().split_kv_max_batch == 8
-    assert parse_args(["--fp8rl-split-kv-max-batch", "32"]).split_kv_max_batch == 32
+    assert parse_args([]).split_kv_max_batch == sel.AUTO_MAX_BATCH == Fp8rlOptions().split_kv_max_batch == 32
+    assert parse_args(["--fp8rl-split-kv-max-batch", "8"]).split_kv_max_batch == 8
     for bad in (0, -1, 2.5, True, "16"):
         with pytest.raises(ValueError, match="--fp8rl-split-kv-max-batch must be an integer >= 1"):
             Fp8rlOptions(split_kv_max_batch=bad)

@@ -38,12 +38,13 @@ CAST_QUERY, UNCAST_QUERY = "fp8", "bf16"
 QUERY_MODES = (CAST_QUERY, UNCAST_QUERY)
 MAX_FP8_HEAD_DIM = 256  # SGLang casts the query to an FP8 cache's dtype for head dims up to this (FA3's FP8 limit)
 # auto takes the split-KV kernel up to this many sequences in a decode batch (the captured batch size), FA3 above.
-# Measured (docs/RESULTS.md sec. 23, 24): in the longer-tailed RL rollout its decode steps at 3-8 running were faster
-# than FA3's (H100, work planned from the lengths: 6.98 / 8.08 ms against 8.60 / 8.67 ms) and slower from 33 on
-# (17.19 against 16.11 ms at 33-64, 0.92-0.94x up to 256): at ragged contexts over many sequences its programs are
-# short (a few tiles each), and each pays a start the programs of long contexts amortize (kernel alone, 128 ragged
-# contexts of mean 1k: 0.69-0.84x FA3; 128 equal ones: 1.01x).
-AUTO_MAX_BATCH = 8  # the default of --fp8rl-split-kv-max-batch
+# Measured (docs/RESULTS.md sec. 41, H100): with 32 against 8, the longer-tailed RL rollout ran the same schedule in
+# 189.4 s against 194.3 (its steps at 9-16 / 17-32 running 8.98 / 11.42 ms against FA3's 9.92 / 12.96, every other
+# band the same), and the served step at 16-32 running over 4k-12k contexts was 1.04-1.15x faster. Above 32 it stays
+# FA3: at ragged contexts over many sequences the kernel's programs are short (a few tiles each), and each pays a start
+# the programs of long contexts amortize (sec. 36d, per call: 0.79x / 0.71x FA3 at 64 / 128 ragged sequences, 1.00x
+# at 32).
+AUTO_MAX_BATCH = 32  # the default of --fp8rl-split-kv-max-batch
 _MARK = "_fp8rl_decode_attention"
 
 # FA3 keywords a plain decode call may carry with any value (the call's operands and settings we honour or that do

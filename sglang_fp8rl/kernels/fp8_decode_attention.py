@@ -92,7 +92,7 @@ PREPLAN = True
 # V widened on its loaded tile and handed to the MMA through shared memory as FP16, instead of read back from shared
 # memory one byte at a time as the transposed MMA operand: 734 instead of 1,105 SASS instructions a thread a tile, no
 # LDS.U8, 74 KB of shared memory instead of 41 KB (scripts/kernel_asm.py --v-widen-tile). Off: slower on an H100 at
-# the 1-8 sequences `auto` gives this kernel (docs/RESULTS.md sec. 31b); the H200 is not measured
+# 1-8 sequences (docs/RESULTS.md sec. 31b); the H200 is not measured
 # (scripts/gpu/bench_decode_attention.py --v-widen-tile compares the two forms)
 V_WIDEN_TILE = False
 # programmatic dependent launches of the plan, split and merge kernels (compute capability 9.0 and later): on an
