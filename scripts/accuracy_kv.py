@@ -17,19 +17,22 @@ import json
 import math
 import os
 
-ARMS = ("fp8", "fp8_kv_static", "fp8_kv_calibrate", "fp8_kv_splitkv", "fp8_kv_splitkv_bf16q", "fp8_kv_splitkv_lean")
+ARMS = ("fp8", "fp8_kv_static", "fp8_kv_calibrate", "fp8_kv_fa3", "fp8_kv_splitkv", "fp8_kv_splitkv_bf16q",
+        "fp8_kv_splitkv_lean")
 POLICIES = ("original", "drifted")
 FP8_KV_DTYPE = "fp8_e4m3"
-ARM_KV_SCALES = {"fp8": None, "fp8_kv_static": "static", "fp8_kv_calibrate": "calibrate",
+ARM_KV_SCALES = {"fp8": None, "fp8_kv_static": "static", "fp8_kv_calibrate": "calibrate", "fp8_kv_fa3": "calibrate",
                  "fp8_kv_splitkv": "calibrate", "fp8_kv_splitkv_bf16q": "calibrate", "fp8_kv_splitkv_lean": "calibrate"}
-# arms that decode on FlashAttention-3 (it must be installed) with the split-KV kernel at every batch: its query cast
+# arms that decode on FlashAttention-3 (it must be installed): FA3's own FP8 decode at every batch (the kernel's
+# "before"), or the split-KV kernel at every batch: its query cast
 # to E4M3 as SGLang casts it, or as the model made it (--fp8rl-decode-query bf16); the pair isolates the query's cast;
 # lean adds the producers that write their output's FP8 codes (--fp8rl-producer-quant on): every launch-saving opt-in
-ARM_DECODE = {"fp8_kv_splitkv": {"decode_attention": "split_kv"},
+ARM_DECODE = {"fp8_kv_fa3": {"decode_attention": "fa3"}, "fp8_kv_splitkv": {"decode_attention": "split_kv"},
               "fp8_kv_splitkv_bf16q": {"decode_attention": "split_kv", "decode_query": "bf16"},
               "fp8_kv_splitkv_lean": {"decode_attention": "split_kv", "decode_query": "bf16", "producer_quant": "on"}}
 ARM_DESC = {"fp8": "FP8 weights, BF16 KV cache", "fp8_kv_static": "FP8 weights + FP8 KV, static scale 1.0",
             "fp8_kv_calibrate": "FP8 weights + FP8 KV, calibrated scales",
+            "fp8_kv_fa3": "FP8 weights + FP8 KV, calibrated, FA3's FP8 decode at every batch",
             "fp8_kv_splitkv": "FP8 weights + FP8 KV, calibrated, FA3 with the split-KV kernel, E4M3 query",
             "fp8_kv_splitkv_bf16q": "FP8 weights + FP8 KV, calibrated, FA3 with the split-KV kernel, BF16 query",
             "fp8_kv_splitkv_lean": ("FP8 weights + FP8 KV, calibrated, FA3 with the split-KV kernel, BF16 query, "

@@ -36,6 +36,8 @@ FP8 KV cache (issue 15): --arms picks the engines compared with BF16 (scripts/ac
   fp8_kv_static     + kv_cache_dtype fp8_e4m3 with --fp8rl-kv-scales static (SGLang's scale 1.0)
   fp8_kv_calibrate  + kv_cache_dtype fp8_e4m3 with --fp8rl-kv-scales calibrate (scales measured on the engine; with
                     --task, on in-context task sequences written to OUT/kv_calibration.json, see --kv-calibration)
+  fp8_kv_fa3        fp8_kv_calibrate decoding on FA3 (installed) with --fp8rl-decode-attention fa3 (FA3's own FP8
+                    decode at every batch: the split-KV kernel's "before")
   fp8_kv_splitkv    fp8_kv_calibrate decoding on FA3 (installed) with --fp8rl-decode-attention split_kv (the split-KV
                     kernel at every batch), the query cast to E4M3 as SGLang casts it
   fp8_kv_splitkv_bf16q  the same with --fp8rl-decode-query bf16 (the kernel reads the BF16 query): the pair isolates

@@ -8,7 +8,10 @@ Reversed digits put the carry chain in generation order and the fixed width keep
 which is what should let a 4-layer model reach high exact match within the budget (expected ~1-2 min on one H100;
 not measured yet). --no-pad-operands drops the zero padding (harder: offsets then depend on the lengths). A
 deterministic hash of (a, b) holds out 1/20 of all operand pairs (`is_test`); training never sees them,
-evaluation uses only them.
+evaluation uses only them. --prefix-len N puts N characters of digits and spaces before the operands (drawn from
+a seed of (a, b), so a problem's prompt is always the same) and a space after them: the answer is unchanged, but every
+decode step of it reads a KV cache of N more tokens, which is what an FP8-KV attention kernel is judged on at long
+contexts (the plain task's whole sequence is 20 tokens).
 
 Model: hidden 512, 4 layers, 4 q heads x head_dim 128, 2 kv heads, intermediate 1536 (every GEMM dimension a
 multiple of 128, so every linear layer is eligible for 128x128 blockwise FP8), vocab 32 (17 used: <pad> <bos>
@@ -35,6 +38,8 @@ CHARS = list("0123456789+= ")
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 VOCAB = {t: i for i, t in enumerate(SPECIALS + CHARS)}
 VOCAB_SIZE = 32  # model vocab (padded); the tokenizer uses the first len(VOCAB)
+FILLER_CHARS = "0123456789 "  # what a --prefix-len prompt's prefix is drawn from
+MIN_CONTEXT = 128  # the plain task's context length (max_position_embeddings, the tokenizer's model_max_length)
 
 DEFAULT_TASK = {"task": "addition", "min_digits": 3, "max_digits": 5, "reverse_operands": True,
                 "reverse_answer": True, "pad_operands": True, "test_mod": 20,
@@ -57,10 +62,20 @@ def _digits(n: int, reverse: bool, width: int = 0) -> str:
     return s[::-1] if reverse else s
 
 
+def filler(a: int, b: int, n: int) -> str:
+    """The n characters of digits and spaces a --prefix-len prompt of (a, b) starts with (the same every time)."""
+    import random
+
+    rng = random.Random(a * 1_000_003 + b)
+    return "".join(rng.choice(FILLER_CHARS) for _ in range(n))
+
+
 def prompt_text(a: int, b: int, task: dict = DEFAULT_TASK) -> str:
     """Prompt without the <bos> (the tokenizer's post-processor adds it)."""
     w = task["max_digits"] if task.get("pad_operands") else 0
-    return f"{_digits(a, task['reverse_operands'], w)}+{_digits(b, task['reverse_operands'], w)}="
+    n = task.get("prefix_len", 0)
+    head = f"{filler(a, b, n)} " if n else ""
+    return f"{head}{_digits(a, task['reverse_operands'], w)}+{_digits(b, task['reverse_operands'], w)}="
 
 
 def answer_text(a: int, b: int, task: dict = DEFAULT_TASK) -> str:
@@ -119,7 +134,16 @@ def max_answer_tokens(task: dict = DEFAULT_TASK) -> int:
     return task["max_digits"] + 1 + 1  # sum has at most max_digits+1 digits, plus <eos>
 
 
-def build_tokenizer():
+def context_length(task: dict = DEFAULT_TASK) -> int:
+    """The model's and tokenizer's context: the smallest power of two >= MIN_CONTEXT that holds a whole sequence."""
+    longest = 1 + task.get("prefix_len", 0) + 1 + 2 * task["max_digits"] + 2 + max_answer_tokens(task)
+    n = MIN_CONTEXT
+    while n < longest:
+        n *= 2
+    return n
+
+
+def build_tokenizer(max_length: int = MIN_CONTEXT):
     """PreTrainedTokenizerFast: one token per character (WordLevel), <bos> prepended by the post-processor."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -131,16 +155,17 @@ def build_tokenizer():
                                                        special_tokens=[("<bos>", BOS)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
                                    unk_token="<unk>", clean_up_tokenization_spaces=False)
-    fast.model_max_length = 128
+    fast.model_max_length = max_length
     return fast
 
 
-def model_config(args):
+def model_config(args, task: dict = DEFAULT_TASK):
     from transformers import Qwen3Config
 
     cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=args.hidden, num_hidden_layers=args.layers,
                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-                      intermediate_size=args.intermediate, hidden_act="silu", max_position_embeddings=128,
+                      intermediate_size=args.intermediate, hidden_act="silu",
+                      max_position_embeddings=context_length(task),
                       rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=False, attention_dropout=0.0,
                       tie_word_embeddings=False, use_cache=True, use_sliding_window=False,
                       bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, torch_dtype="bfloat16")
@@ -233,9 +258,14 @@ def parse_args(argv=None):
     p.add_argument("--min-digits", type=int, default=3)
     p.add_argument("--max-digits", type=int, default=5)
     p.add_argument("--no-pad-operands", action="store_true", help="variable-width operands (harder)")
+    p.add_argument("--prefix-len", type=int, default=0,
+                   help="characters of digits and spaces before the operands (long-context decodes; default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda if available else cpu")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.prefix_len < 0:
+        p.error(f"--prefix-len must be >= 0, got {a.prefix_len}")
+    return a
 
 
 def main(argv=None) -> int:
@@ -248,10 +278,10 @@ def main(argv=None) -> int:
     t_start = time.time()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     task = dict(DEFAULT_TASK, min_digits=args.min_digits, max_digits=args.max_digits,
-                pad_operands=not args.no_pad_operands)
+                pad_operands=not args.no_pad_operands, prefix_len=args.prefix_len)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    cfg = model_config(args)
+    cfg = model_config(args, task)
     model = Qwen3ForCausalLM(cfg).to(device=device, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01,
@@ -302,7 +332,7 @@ def main(argv=None) -> int:
     model_bf16.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
                                                     do_sample=False, max_new_tokens=max_answer_tokens(task))
     model_bf16.save_pretrained(args.out, safe_serialization=True)
-    build_tokenizer().save_pretrained(args.out)
+    build_tokenizer(context_length(task)).save_pretrained(args.out)
     mark_config_bf16(args.out)
     with open(os.path.join(args.out, "task.json"), "w") as f:
         json.dump(task, f, indent=1)

@@ -466,6 +466,8 @@ def test_arm_settings_and_options():
     assert AK.arm_engine_kwargs("fp8_kv_splitkv_bf16q", "q") == {"quantization": "q", "kv_cache_dtype": "fp8_e4m3",
                                                                  "attention_backend": "fa3"}
     assert AK.arm_options("fp8_kv_splitkv") == {"kv_scales": "calibrate", "decode_attention": "split_kv"}
+    assert AK.arm_options("fp8_kv_fa3") == {"kv_scales": "calibrate", "decode_attention": "fa3"}
+    assert AK.arm_engine_kwargs("fp8_kv_fa3", "q")["attention_backend"] == "fa3"
     assert AK.arm_options("fp8_kv_splitkv_bf16q") == {"kv_scales": "calibrate", "decode_attention": "split_kv",
                                                       "decode_query": "bf16"}
     assert AK.arm_options("fp8_kv_splitkv_lean") == {"kv_scales": "calibrate", "decode_attention": "split_kv",

@@ -385,6 +385,60 @@ def test_train_toy_policy_tiny_cpu_smoke(tmp_path):
     assert m.config.num_hidden_layers == 1
 
 
+def test_a_prefix_puts_a_long_context_before_the_same_problem():
+    """--prefix-len N: N digits and spaces before the operands, the same for a problem every time, different between
+    problems; the answer unchanged; the model's and tokenizer's context grow to hold the sequence."""
+    task = dict(TT.DEFAULT_TASK)
+    assert "prefix_len" not in task and TT.context_length(task) == TT.MIN_CONTEXT == 128
+    long = dict(task, prefix_len=300)
+    text = TT.prompt_text(123, 4567, long)
+    assert text == TT.filler(123, 4567, 300) + " " + TT.prompt_text(123, 4567, task) and len(text) == 300 + 1 + 12
+    assert set(text[:300]) <= set(TT.FILLER_CHARS) and len(set(text[:300])) == len(TT.FILLER_CHARS)
+    assert TT.prompt_text(123, 4567, long) == text and TT.filler(124, 4567, 300) != text[:300]
+    assert TT.answer_ids(123, 4567, long) == TT.answer_ids(123, 4567, task)
+    assert len(TT.prompt_ids(123, 4567, long)) == 1 + 313
+    # the whole sequence (bos, prompt, answer with eos) fits the context, the next power of two from 128
+    assert TT.context_length(long) == 512 and TT.context_length(dict(task, prefix_len=2048)) == 4096
+    assert TT.context_length(dict(task, prefix_len=107)) == 128 and TT.context_length(dict(task, prefix_len=108)) == 256
+    tok = TT.build_tokenizer(TT.context_length(long))
+    assert tok(text).input_ids == TT.prompt_ids(123, 4567, long) and tok.model_max_length == 512
+    with pytest.raises(SystemExit):
+        TT.parse_args(["--out", "x", "--prefix-len", "-1"])
+
+
+def test_train_toy_policy_with_a_prefix_cpu_smoke(tmp_path):
+    out = tmp_path / "toy_long"
+    rc = TT.main(["--out", str(out), "--max-seconds", "2", "--hidden", "64", "--layers", "1", "--heads", "1",
+                  "--kv-heads", "1", "--head-dim", "64", "--intermediate", "128", "--batch-size", "4",
+                  "--eval-every-s", "1000", "--final-eval-n", "4", "--device", "cpu", "--prefix-len", "200"])
+    assert rc == 0
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 256
+    task = json.loads((out / "task.json").read_text())
+    assert task["prefix_len"] == 200 and len(TT.prompt_ids(5, 77, task)) == 1 + 200 + 1 + 12
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok(TT.prompt_text(5, 77, task)).input_ids == TT.prompt_ids(5, 77, task) and tok.model_max_length == 256
+
+
+def test_the_suite_trains_and_judges_a_prefix_toy_in_a_folder_of_its_own(tmp_path):
+    """TOY_ARGS trains another toy policy beside the plain one, and the accuracy arms take that one, with their own
+    records (a warm machine keeps both)."""
+    from suite_stage import stage_command_lines
+
+    args = "--prefix-len 2048 --batch-size 128"
+    (train,) = stage_command_lines(tmp_path, "kv_acc", "train_toy_policy.py", TOY_ARGS=args)
+    a = TT.parse_args(train.split("train_toy_policy.py", 1)[1].split())
+    toy = f"{tmp_path}/work/toy_prefix_len_2048_batch_size_128"
+    assert a.out == toy and a.prefix_len == 2048 and a.batch_size == 128
+    os.makedirs(toy, exist_ok=True)
+    open(os.path.join(toy, "model.safetensors"), "w").close()
+    (acc,) = stage_command_lines(tmp_path, "kv_acc", "accuracy_regression.py", TOY_ARGS=args)
+    assert f"--model {toy} " in acc and f"--records-dir {toy}_kv_acc_records " in acc
+    (plain,) = stage_command_lines(tmp_path, "kv_acc", "train_toy_policy.py", unset=("TOY_ARGS",))
+    assert f"--out {tmp_path}/work/toy " in plain + " " and "--prefix-len" not in plain
+
+
 def test_default_toy_shapes_are_block_aligned():
     a = TT.parse_args(["--out", "x"])
     assert a.max_seconds == 180 and 4 <= a.layers <= 6

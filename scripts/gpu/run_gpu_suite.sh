@@ -4,7 +4,7 @@
 # Stages (run in the order given; each has a timeout, and the whole call a DEADLINE so it ends inside the
 # GPU machine's 600 s per-command limit; a stage that cannot get its minimum time is skipped, not started):
 #   tests     python -m pytest $TESTS -q -m gpu (TESTS default "tests/gpu tests/test_kv_scales.py"; T_TESTS, 480 s)
-#   accuracy  scripts/train_toy_policy.py (skipped when $WORK/toy already holds a checkpoint: warm machine)
+#   accuracy  scripts/train_toy_policy.py (skipped when $TOY already holds a checkpoint: warm machine)
 #             then scripts/accuracy_regression.py --task addition (BF16 vs fp8_online_blockwise)  (~4-6 min cold)
 #   rollout   scripts/bench_rollout.py: bf16, fp8_online_blockwise, block_prequant, fp8_channel on Qwen3-8B shapes,
 #             bs 64 128, in 512, out 1024                                               (~5-6 min cold)
@@ -112,7 +112,8 @@
 # results made by this call (rollout_results.json, accuracy.json, accuracy.png, check_server.json, bench_quant.json,
 # moe_results.json, profile_top_kernels.txt; the first 6 that exist, the rest only inside the tgz).
 # stdout ends with the summary (stage table + each stage's own table).
-# Env: OUT, WORK, DEADLINE (s from start; 570), TESTS, T_TESTS, TOY_SECONDS (training budget; 150), ROLLOUT_ARGS,
+# Env: OUT, WORK, DEADLINE (s from start; 570), TESTS, T_TESTS, TOY_SECONDS (training budget; 150), TOY_ARGS,
+#      ROLLOUT_ARGS,
 #      MOE_ARGS, PROFILE_ARGS, ACC_ARGS, KV_ARGS, KV_FI_ARGS, KV_ACC_ARGS, SERVER_ARGS, UPDATE_ARGS, GEMM_ARGS,
 #      STARTUP_ARGS, DEMO_ARGS, RL_ARGS, RL_ROLLOUT_ARGS, ROOFLINE_ARGS, COLOCATED_ARGS, BROADCAST_ARGS, SERVER_STEP_ARGS,
 #      GEMM_AB_ARGS, GEMM_AB_EXCLUDE, GEMM_AB_CHANGE
@@ -170,16 +171,19 @@ run_stage() {
 } > "$LOGS/env.txt"
 say "$(sed -n 2p "$LOGS/env.txt") | stages: $*"
 
-# ensure_toy: train the toy policy into $WORK/toy unless a warm machine already holds it (accuracy, kv_acc)
+# ensure_toy: train the toy policy into $TOY unless a warm machine already holds it (accuracy, kv_acc); TOY_ARGS
+# (e.g. "--prefix-len 2048 --batch-size 128": long-context decodes) trains another one, in a folder of its own
+TOY="$WORK/toy$(printf %s "${TOY_ARGS:-}" | tr -cs 'A-Za-z0-9' '_')"  # e.g. toy_prefix_len_2048_batch_size_128
 ensure_toy() {
-  if [ ! -f "$WORK/toy/model.safetensors" ]; then
+  if [ ! -f "$TOY/model.safetensors" ]; then
+    # shellcheck disable=SC2086
     run_stage train_toy 120 $(( ${TOY_SECONDS:-150} + 90 )) \
-      $PY scripts/train_toy_policy.py --out "$WORK/toy" --max-seconds "${TOY_SECONDS:-150}"
+      $PY scripts/train_toy_policy.py --out "$TOY" --max-seconds "${TOY_SECONDS:-150}" ${TOY_ARGS:-}
     tail -3 "$LOGS/train_toy.log"
   else
-    say "toy policy already at $WORK/toy (warm machine), not retrained"
+    say "toy policy already at $TOY (warm machine), not retrained"
   fi
-  [ -f "$WORK/toy/model.safetensors" ]
+  [ -f "$TOY/model.safetensors" ]
 }
 
 for st in "$@"; do
@@ -191,7 +195,7 @@ for st in "$@"; do
       rc=$?; [ $rc = 5 ] && say "tests: pytest collected no GPU test (rc 5)" ;;
     accuracy)
       if ensure_toy; then
-        run_stage accuracy 120 420 $PY scripts/accuracy_regression.py --model "$WORK/toy" --task addition \
+        run_stage accuracy 120 420 $PY scripts/accuracy_regression.py --model "$TOY" --task addition \
           --out "$WORK/accuracy" ${ACC_ARGS:-}
         [ $? = 0 ] || for f in "$WORK"/accuracy/engine_*.log; do
           [ -f "$f" ] && { say "tail of $f:"; grep -v "^\s*$" "$f" | tail -15 | cut -c1-300; }; done
@@ -212,9 +216,9 @@ for st in "$@"; do
         --output-len 256 1024 ${merge[@]+"${merge[@]}"} --deadline-s $(( l - 25 )) ${KV_FI_ARGS:-} ;;
     kv_acc)  # FP8-KV accuracy arms on the toy policy and its drifted copy; resumable: call again until rc 0
       if ensure_toy; then
-        l=$(left); run_stage kv_acc 150 570 $PY scripts/accuracy_regression.py --model "$WORK/toy" --task addition \
+        l=$(left); run_stage kv_acc 150 570 $PY scripts/accuracy_regression.py --model "$TOY" --task addition \
           --out "$WORK/kv_acc" --arms fp8 fp8_kv_static fp8_kv_calibrate --policies original drifted --reuse \
-          --records-dir "${WORK}_kv_acc_records" --deadline-s $(( l - 30 )) ${KV_ACC_ARGS:-}
+          --records-dir "${TOY}_kv_acc_records" --deadline-s $(( l - 30 )) ${KV_ACC_ARGS:-}
         rc=$?; [ $rc = 3 ] && say "kv_acc: not every engine ran in this call; run the kv_acc stage again (records kept)"
         [ $rc = 0 ] || [ $rc = 3 ] || for f in "$WORK"/kv_acc/engine_*.log; do
           [ -f "$f" ] && { say "tail of $f:"; grep -v "^\s*$" "$f" | tail -15 | cut -c1-300; }; done
@@ -308,7 +312,7 @@ SUM=$WORK/suite_summary_$STAMP.md
   for st in "$@"; do
     case $st in
       tests) fresh "$LOGS/tests.log" && { echo; echo "## tests (tail)"; grep -v "^\s*$" "$LOGS/tests.log" | tail -15 | cut -c1-250; } ;;
-      accuracy) [ -f "$WORK/toy/train_report.json" ] && { echo; $PY -c "import json; r=json.load(open('$WORK/toy/train_report.json')); print(f\"toy policy: {r['steps']} steps, {r['train_seconds']} s, held-out EM (HF greedy, bf16) {r['heldout_exact_match_bf16_hf_greedy']:.4f}\")"; }
+      accuracy) [ -f "$TOY/train_report.json" ] && { echo; $PY -c "import json; r=json.load(open('$TOY/train_report.json')); print(f\"toy policy: {r['steps']} steps, {r['train_seconds']} s, held-out EM (HF greedy, bf16) {r['heldout_exact_match_bf16_hf_greedy']:.4f}\")"; }
                 fresh "$WORK/accuracy/summary.md" && { echo; cat "$WORK/accuracy/summary.md"; } ;;
       kv_acc) fresh "$WORK/kv_acc/summary.md" && { echo; cat "$WORK/kv_acc/summary.md"; } ;;
       kvcheck) fresh "$LOGS/kvcheck.log" && { echo; echo "## kvcheck"; grep -E "^\|" "$LOGS/kvcheck.log"; } ;;
