@@ -1,7 +1,7 @@
 """The driver parts of scripts/accuracy_regression.py that its `main` calls: the prompts (`load_prompts`), the drifted
-policy (`prepare_drifted`, sized from the HF model's K/V amax), the calibrate arm's KV calibration batch, the primary
-arm's plot, and `_Run`: one call's engines (stored records reused with --reuse, the rest run while --deadline-s
-allows)."""
+policy (`prepare_drifted`, sized from the HF model's K/V amax), the KV calibration batch of the arms that calibrate,
+the primary arm's plot, and `_Run`: one call's engines (stored records reused with --reuse, the rest run while
+--deadline-s allows)."""
 
 from __future__ import annotations
 
@@ -113,8 +113,9 @@ def task_calibration_batch(task, n: int = 64, seed: int = 7) -> list:
 
 
 def resolve_kv_calibration(args, task) -> str:
-    """The calibration batch file of the calibrate arm ('' = the engine's built-in default)."""
-    if "fp8_kv_calibrate" not in args.arms or args.kv_calibration == "default":
+    """The calibration batch file of the arms that calibrate their K/V scales ('' = the engine's built-in default);
+    every such arm (fp8_kv_calibrate, fp8_kv_fa3, the split-KV ones) gets the same batch, so their scales agree."""
+    if not any(AK.ARM_KV_SCALES[arm] == "calibrate" for arm in args.arms) or args.kv_calibration == "default":
         return ""
     if args.kv_calibration != "task":
         return os.path.abspath(args.kv_calibration)

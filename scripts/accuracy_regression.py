@@ -116,8 +116,8 @@ def parse_args(argv=None):
     p.add_argument("--drift-k", default="auto", help="K range factor of the drifted policy: a power of two or auto")
     p.add_argument("--drift-v", default="auto", help="V range factor of the drifted policy: a power of two or auto")
     p.add_argument("--kv-calibration", default="task",
-                   help="calibration batch of the calibrate arm: 'task' (in-context task sequences with --task, else "
-                        "the engine's default), 'default' (the engine's), or a JSON file of token-id lists")
+                   help="calibration batch of the arms that calibrate: 'task' (in-context task sequences with --task, "
+                        "else the engine's default), 'default' (the engine's), or a JSON file of token-id lists")
     p.add_argument("--records-dir", default=None, help="where each engine's record is stored (default OUT/records)")
     p.add_argument("--reuse", action="store_true", help="reuse stored records made with the same settings")
     p.add_argument("--deadline-s", type=float, default=0,

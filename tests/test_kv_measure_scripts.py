@@ -458,6 +458,27 @@ def test_write_drifted_checkpoint_round_trip(tmp_path):
 # accuracy arms
 
 
+def test_every_arm_that_calibrates_gets_the_task_batch(tmp_path):
+    """--kv-calibration task: the in-context task sequences go to every arm that calibrates its K/V scales (the
+    split-KV and FA3 arms too, not only fp8_kv_calibrate), so their scales agree; none where no arm calibrates."""
+    import accuracy_driver as DRV
+
+    task = dict(TT.DEFAULT_TASK, prefix_len=40)
+
+    def args(*arms, kv_calibration="task"):
+        return argparse.Namespace(arms=list(arms), kv_calibration=kv_calibration, out=str(tmp_path))
+
+    for arms in (["fp8_kv_splitkv"], ["fp8", "fp8_kv_fa3"], ["fp8_kv_calibrate", "fp8_kv_splitkv_lean"]):
+        path = DRV.resolve_kv_calibration(args(*arms), task)
+        assert path == str(tmp_path / "kv_calibration.json"), arms
+        seqs = json.loads((tmp_path / "kv_calibration.json").read_text())
+        assert len(seqs) == 64 and all(len(q) == 1 + 40 + 1 + 12 + 7 for q in seqs)  # prefix, problem, answer
+    assert DRV.resolve_kv_calibration(args("fp8", "fp8_kv_static"), task) == ""
+    assert DRV.resolve_kv_calibration(args("fp8_kv_splitkv", kv_calibration="default"), task) == ""
+    assert DRV.resolve_kv_calibration(args("fp8_kv_splitkv"), None) == ""
+    assert DRV.resolve_kv_calibration(args("fp8_kv_fa3", kv_calibration="b.json"), task) == os.path.abspath("b.json")
+
+
 def test_arm_settings_and_options():
     assert AK.arm_engine_kwargs("fp8", "fp8_online_blockwise") == {"quantization": "fp8_online_blockwise"}
     assert AK.arm_engine_kwargs("fp8_kv_static", "q") == {"quantization": "q", "kv_cache_dtype": "fp8_e4m3"}
