@@ -56,14 +56,14 @@ def precision(flags: list[str]) -> tuple[str, str]:
 
 def steps_with_tokens(run_log: list[str]) -> list[tuple[int, float, int, bool]]:
     """(running requests, step seconds, KV tokens held, a prefill logged since the previous step) of each decode log
-    line with a positive throughput and a ``#token`` count."""
+    line with requests running, a positive throughput and a ``#token`` count."""
     out, prefill = [], False
     for line in run_log:
         if _PREFILL.search(line):
             prefill = True
             continue
         m = _STEP.search(line)
-        if m and m[2] is not None and float(m[3]) > 0:
+        if m and m[2] is not None and int(m[1]) > 0 and float(m[3]) > 0:
             out.append((int(m[1]), int(m[1]) / float(m[3]), int(m[2]), prefill))
         prefill = prefill and not m
     return out

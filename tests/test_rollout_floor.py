@@ -47,6 +47,7 @@ def test_precision_of_a_servers_flags():
 def test_steps_carry_their_tokens_and_whether_a_prefill_came_before():
     log = [decode(8, 80_000, 7.0), PREFILL, "some other line", decode(9, 90_000, 9.0), decode(9, 90_009, 8.0),
            "Decode batch, #running-req: 4, #token: 4, token usage: 0.1, gen throughput (token/s): 0.00",  # no time
+           "Decode batch, #running-req: 0, #token: 0, token usage: 0.0, gen throughput (token/s): 5.00",  # no request
            "Decode batch, #running-req: 3, token usage: 0.1, gen throughput (token/s): 300.0"]  # no #token: left out
     steps = RF.steps_with_tokens(log)
     assert [(n, round(s * 1e3, 6), t, p) for n, s, t, p in steps] == [
