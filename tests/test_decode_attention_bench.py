@@ -105,8 +105,10 @@ def test_sweep_variants_and_none_without_a_sweep():
 
 
 def test_ragged_cells_and_their_labels():
-    lengths = bench().ragged_lengths(32, 4096)
-    assert lengths == bench().ragged_lengths(32, 4096) and len(lengths) == 32  # seeded: every kernel the same draw
+    import attention_cells as AC  # scripts/gpu/attention_cells.py
+
+    lengths = AC.ragged_lengths(32, 4096)
+    assert lengths == AC.ragged_lengths(32, 4096) and len(lengths) == 32  # seeded: every kernel the same draw
     assert 64 <= min(lengths) and max(lengths) <= 8 * 4096 and max(lengths) > 3 * 4096  # a long tail
     assert abs(sum(lengths) / 32 - 4096) < 0.05 * 4096
     assert bench().cell_label({"batch": 8, "context": 4096, "ragged": True, "max_context": 9000}) == \

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import math
 import os
 import sys
 import time
@@ -50,17 +48,24 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/
 import _paths  # noqa: E402,F401  (scripts/gpu and the checkout on sys.path)
-from decode_roofline_child import copy_bandwidth  # noqa: E402  (the roofline's measurement: one definition for both)
+from attention_cells import (  # noqa: E402  (scripts/gpu/attention_cells.py: the cells, FA3's call, timing, the loop)
+    DIM,
+    HEADS,
+    KV_HEADS,
+    Cell,
+    cell_label,
+    cells_of,
+    error_vs,
+    fa3_calls,
+    new_result,
+    run_cells,
+    time_graph,
+    write_report,
+)
 
 from sglang_fp8rl.kernels import fp8_decode_attention as FDA  # noqa: E402
-from sglang_fp8rl.kernels.gemm_select import measure  # noqa: E402
 from sglang_fp8rl.kernels.step_plan import StepPlan  # noqa: E402
 
-HEADS, KV_HEADS, DIM = 32, 8, 128
-CELLS = [(1, 4096), (1, 12288), (8, 4096), (8, 12288), (32, 4096), (32, 12288), (128, 1024), (128, 4096),
-         (384, 1024)]
-RAGGED_CELLS = [(8, 4096), (32, 4096), (64, 2048), (128, 1024)]
-QUICK_CELLS = [(1, 4096), (8, 4096), (32, 4096), (128, 1024)]
 # "fine" 1 is the grid of the plan's first form (budget + batch programs per KV head, no several-wave plans) and
 # "preplan" False the plan computed in every program: they separated the two costs the H200 run of RESULTS 25b found
 # at 1-8 sequences (a larger grid of idle programs, the plan in every program); RESULTS 26a made preplan the default
@@ -68,97 +73,6 @@ SWEEP = {"block_n": (64, 128), "num_warps": (4,), "num_stages": (2, 3, 4), "per_
          "fine": (FDA.FINE, 1), "preplan": (False, True)}
 QUICK_SWEEP = {"block_n": (128,), "num_warps": (4,), "num_stages": (3,), "per_sm": (1, 2, 4), "fine": (FDA.FINE, 1),
                "preplan": (False, True)}
-RAGGED_SIGMA = 1.0
-L2_DEFEAT_BYTES = 512 << 20  # the cache copies of a cell span at least this much
-MAX_COPIES = 36
-REPLAYS = 5
-
-
-class Cell:
-    """The caches, page table and queries of one (batch, context) cell, in ``copies`` layer copies."""
-
-    def __init__(self, batch: int, context: int, dev: torch.device, bf16: bool, ragged: bool = False):
-        self.batch, self.context, self.ragged = batch, context, ragged
-        self.lengths = ragged_lengths(batch, context) if ragged else [context] * batch
-        tokens = sum(self.lengths)
-        layer_bytes = tokens * KV_HEADS * DIM * 2
-        self.copies = max(2, min(MAX_COPIES, math.ceil(L2_DEFEAT_BYTES / layer_bytes)))
-        slots = tokens + 1  # slot 0 is SGLang's padding slot
-        gen = torch.Generator(device=dev).manual_seed(batch * 100003 + context)
-        self.k = [(torch.randn(slots, 1, KV_HEADS, DIM, device=dev, generator=gen) * 1.5).to(torch.float8_e4m3fn)
-                  for _ in range(self.copies)]
-        self.v = [(torch.randn(slots, 1, KV_HEADS, DIM, device=dev, generator=gen) * 1.5).to(torch.float8_e4m3fn)
-                  for _ in range(self.copies)]
-        self.k_bf16 = [k.to(torch.bfloat16) for k in self.k] if bf16 else None
-        self.v_bf16 = [v.to(torch.bfloat16) for v in self.v] if bf16 else None
-        order = torch.randperm(batch, generator=torch.Generator().manual_seed(context)).tolist()
-        offsets, next_slot = [0] * batch, 1  # each sequence's slots contiguous, the sequences in shuffled order
-        for seq in order:
-            offsets[seq], next_slot = next_slot, next_slot + self.lengths[seq]
-        width = max(self.lengths)
-        cols = torch.arange(width)[None, :]
-        table = torch.tensor(offsets)[:, None] + cols
-        table = torch.where(cols < torch.tensor(self.lengths)[:, None], table, 0)  # past a sequence's end: slot 0
-        self.page_table = table.to(torch.int32).to(dev)
-        self.seqlens = torch.tensor(self.lengths, dtype=torch.int32, device=dev)
-        self.cu_q = torch.arange(batch + 1, dtype=torch.int32, device=dev)
-        self.q = torch.randn(batch, HEADS, DIM, device=dev, generator=gen).to(torch.bfloat16)
-        self.q8 = self.q.to(torch.float8_e4m3fn)
-        self.k_scale = torch.tensor([0.75], device=dev)
-        self.v_scale = torch.tensor([1.25], device=dev)
-        self.scale = DIM ** -0.5
-
-    @property
-    def label(self) -> str:
-        return f"{self.batch} x {self.context}{'r' if self.ragged else ''}"
-
-    def read_bytes(self, kv_bytes_per_elem: int, q_bytes: int) -> int:
-        kv = 2 * sum(self.lengths) * KV_HEADS * DIM * kv_bytes_per_elem
-        return kv + self.batch * HEADS * DIM * (q_bytes + 2)
-
-    def reference(self, seqs: int = 2) -> torch.Tensor:
-        """float64 attention of the first ``seqs`` sequences (layer copy 0), from the E4M3 query and cache."""
-        group = HEADS // KV_HEADS
-        out = []
-        for b in range(min(seqs, self.batch)):
-            rows = self.page_table[b, : self.lengths[b]].long()
-            k = self.k[0][rows, 0].float().double() * self.k_scale.double()
-            v = self.v[0][rows, 0].float().double() * self.v_scale.double()
-            q = self.q8[b].float().double()
-            k = k.repeat_interleave(group, dim=1)  # [ctx, heads, dim]
-            v = v.repeat_interleave(group, dim=1)
-            s = torch.einsum("hd,thd->ht", q, k) * self.scale
-            out.append(torch.einsum("ht,thd->hd", torch.softmax(s, dim=-1), v))
-        return torch.stack(out)
-
-
-def ragged_lengths(batch: int, mean: int) -> list[int]:
-    """``batch`` lognormal contexts of mean ``mean`` (sigma RAGGED_SIGMA), clipped to [64, 8 x mean], seeded."""
-    gen = torch.Generator().manual_seed(batch * 7 + mean)
-    draw = torch.exp(torch.randn(batch, generator=gen, dtype=torch.float64) * RAGGED_SIGMA)
-    return [int(x) for x in (draw / draw.mean() * mean).clamp(64, 8 * mean).round().tolist()]
-
-
-def fa3_calls(cell: Cell, fp8: bool):
-    from sgl_kernel.flash_attn import flash_attn_with_kvcache, get_scheduler_metadata
-
-    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    meta = get_scheduler_metadata(batch_size=cell.batch, max_seqlen_q=1, max_seqlen_k=max(cell.lengths),
-                                  num_heads=HEADS, num_heads_k=KV_HEADS, headdim=DIM, cache_seqlens=cell.seqlens,
-                                  qkv_dtype=dtype, cu_seqlens_q=cell.cu_q, page_size=1, causal=True,
-                                  has_softcap=False, num_splits=0)
-    extra = {}
-    if fp8:
-        shape = (cell.batch, KV_HEADS)
-        extra = {"k_descale": cell.k_scale.expand(shape), "v_descale": cell.v_scale.expand(shape)}
-    q = cell.q8 if fp8 else cell.q
-    ks, vs = (cell.k, cell.v) if fp8 else (cell.k_bf16, cell.v_bf16)
-
-    def call(i: int) -> torch.Tensor:
-        return flash_attn_with_kvcache(q=q, k_cache=ks[i], v_cache=vs[i], page_table=cell.page_table,
-                                       cache_seqlens=cell.seqlens, cu_seqlens_q=cell.cu_q, max_seqlen_q=1,
-                                       softmax_scale=cell.scale, causal=True, scheduler_metadata=meta, **extra)
-    return call
 
 
 # optional kernels of a row (options --flashinfer, --v-widen-tile) and their column names
@@ -234,18 +148,6 @@ def split_kv_call(cell: Cell, cfg: dict, sms: int):
     return call, {"budget": budget, "splits": splits}
 
 
-def time_graph(call, copies: int) -> float:
-    """Microseconds per call: every layer copy once per CUDA graph, replayed REPLAYS times, median."""
-    return measure.time_graph(call, nrot=copies, calls=copies, reps=REPLAYS)
-
-
-def error_vs(ref: torch.Tensor, out: torch.Tensor) -> dict:
-    got = out[: ref.shape[0]].double()
-    diff = (got - ref).abs()
-    return {"max_abs": float(diff.max()), "max_rel": float((diff / ref.abs().clamp_min(1e-2)).max()),
-            "ref_max": float(ref.abs().max())}
-
-
 def variants(sweep: dict) -> list[dict]:
     """Every combination of the sweep's values, as keyword dicts; none for an empty sweep (--no-sweep)."""
     if not sweep:
@@ -312,13 +214,6 @@ def run_cell(cell: Cell, sweep: dict, sms: int, bw: float, deadline: float, flas
     return row
 
 
-def cell_label(row: dict) -> str:
-    """'8 x 4096', or '8 x 4096r (max 21337)' for ragged contexts of mean 4096."""
-    if not row.get("ragged"):
-        return f"{row['batch']} x {row['context']}"
-    return f"{row['batch']} x {row['context']}r (max {row['max_context']})"
-
-
 def work_of(variant: dict) -> str:
     """How a variant shared the work: its budget (programs per KV head) or, in runs before the plan, its splits."""
     if "budget" in variant:
@@ -375,40 +270,20 @@ def main() -> int:
     for option, text in FORM_OPTIONS.items():
         p.add_argument(f"--{option.replace('_', '-')}", action="store_true", help=f"also the split-KV kernel {text}")
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    t0 = time.time()
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
-    copy = copy_bandwidth(1 << 30)
-    if "gbps" not in copy:
-        raise SystemExit(f"bench_decode_attention: no copy bandwidth to compare with: {copy['skipped']}")
-    bw = copy["gbps"]
-    result = {"device": props.name, "sms": props.multi_processor_count, "copy_gbps": bw,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-              "cells": []}
+    t0, dev = time.time(), torch.device("cuda")
+    result = new_result("bench_decode_attention", dev)
     try:
         import triton
         result["triton"] = triton.__version__
     except ImportError:
         pass
-    cells = [(b, c, False) for b, c in (QUICK_CELLS if args.quick else CELLS) if args.cells != "ragged"]
-    cells += [(b, c, True) for b, c in RAGGED_CELLS if args.cells != "equal"]
     sweep = {} if args.no_sweep else (QUICK_SWEEP if args.quick else SWEEP)
-    for i, (batch, context, ragged) in enumerate(cells):
-        cell_deadline = t0 + args.deadline_s * (i + 1) / len(cells)
-        cell = Cell(batch, context, dev, bf16=True, ragged=ragged)
-        result["cells"].append(run_cell(cell, sweep, props.multi_processor_count, bw, cell_deadline,
-                                        flashinfer=args.flashinfer,
-                                        forms={option: getattr(args, option) for option in FORM_OPTIONS}))
-        del cell
-        torch.cuda.empty_cache()
-        print(report(result).splitlines()[-1], flush=True)
-        with open(os.path.join(args.out, "decode_attention.json"), "w") as f:
-            json.dump(result, f, indent=1)
-    text = report(result)
-    with open(os.path.join(args.out, "decode_attention.md"), "w") as f:
-        f.write(text)
-    print(text)
+    forms = {option: getattr(args, option) for option in FORM_OPTIONS}
+    run_cells(cells_of(args.cells, args.quick), dev, t0, args.deadline_s, result, report,
+              os.path.join(args.out, "decode_attention.json"),
+              lambda cell, deadline: run_cell(cell, sweep, result["sms"], result["copy_gbps"], deadline,
+                                              flashinfer=args.flashinfer, forms=forms))
+    write_report(report(result), os.path.join(args.out, "decode_attention.md"))
     return 0
 
 
