@@ -8,9 +8,9 @@ card's dense peak). Per band of running requests (scripts/rollout_regimes.py's b
 logged since the previous step (a step's time is the time since that line, so a prefill in between is in it): the mean
 context of a request, the floor's seconds against the measured ones, the efficiency (floor / measured) and the seconds
 above the floor: where the makespan is lost, in the shape users run it; the seconds of the steps with a prefill in
-them are counted apart. The bandwidth is measured on the GPU before the servers start (a copy in a
-child process, so no CUDA context stays in the client) or given (--bandwidth-gbps: e.g. the roofline's measurement on
-the same machine, for a --dry-run join of recorded answers).
+them are counted apart. The bandwidth is measured on the GPU before the servers start (a copy in a child process, so
+no CUDA context stays in the client) or given (--bandwidth-gbps: e.g. the roofline's measurement on the same machine,
+for a --dry-run join of recorded answers).
 """
 from __future__ import annotations
 
