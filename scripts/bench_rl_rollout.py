@@ -150,13 +150,7 @@ def parse_extra_args(items: list[str], known) -> dict[str, list[str]]:
 
 def attention_backend(flags: list[str]) -> str | None:
     """The last --attention-backend value in flags (None: SGLang picks its default)."""
-    val = None
-    for i, f in enumerate(flags):
-        if f == ATTN_FLAG and i + 1 < len(flags):
-            val = flags[i + 1]
-        elif f.startswith(ATTN_FLAG + "="):
-            val = f.split("=", 1)[1]
-    return val
+    return BRC.flag_value(flags, ATTN_FLAG)
 
 
 def config_flags(name: str, extra: dict[str, list[str]]) -> list[str]:

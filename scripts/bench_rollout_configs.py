@@ -27,6 +27,18 @@ LEAN = [DECODE_QUERY_FLAG, "bf16", "--fp8rl-producer-quant", "on"]
 _ONLINE = ["--quantization", "fp8_online_blockwise"]
 
 
+def flag_value(flags: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in a server's flags (``--flag value`` or ``--flag=value``; the last one, as argparse
+    takes it), or None where it is absent."""
+    val = None
+    for i, f in enumerate(flags):
+        if f == flag and i + 1 < len(flags):
+            val = flags[i + 1]
+        elif f.startswith(flag + "="):
+            val = f.split("=", 1)[1]
+    return val
+
+
 def model_names(moe: bool) -> tuple[str, str]:
     return ("qwen3-30b-a3b", "qwen3-30b-a3b-block") if moe else ("qwen3-8b", "qwen3-8b-block")
 

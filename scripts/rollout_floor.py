@@ -14,44 +14,27 @@ for a --dry-run join of recorded answers).
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
 
+import bench_rollout_configs as BRC  # scripts/bench_rollout_configs.py: a server flag's value
 import rollout_regimes as RG  # scripts/rollout_regimes.py: the bands, the decode log line
 import roofline_model as RM  # scripts/roofline_model.py: a decode step's bytes, FLOPs and floor
 
 _PREFILL = re.compile(r"Prefill batch")
-_STEP = re.compile(RG.DECODE_LINE + r"(?: #token: (\d+),)?.*gen throughput \(token/s\): ([0-9.]+)")
-# a device-to-device copy of 1 GiB, read + write counted, best of 5 timings of 10 copies after a warm-up
-_MEASURE = """
-import torch
-src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); dst = torch.empty_like(src)
-best = 0.0
-for k in range(6):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(10):
-        dst.copy_(src)
-    b.record(); torch.cuda.synchronize()
-    if k:
-        best = max(best, 2 * 10 * src.numel() / (a.elapsed_time(b) / 1e3) / 1e9)
-print(f"{best:.1f}")
-"""
+# the child process's copy: the roofline's measurement (decode_roofline_child.copy_bandwidth), one definition for all
+_MEASURE = ("import json, sys; sys.path.insert(0, {scripts!r}); from decode_roofline_child import copy_bandwidth; "
+            "print(json.dumps(copy_bandwidth(1 << 30)))")
 
 
 def precision(flags: list[str]) -> tuple[str, str]:
     """(weights, KV) dtype of a server's flags, as roofline_model names them: FP8 where --quantization or
     --kv-cache-dtype names an FP8 format, else BF16."""
-    def value(flag: str) -> str:
-        for k, f in enumerate(flags):
-            if f == flag and k + 1 < len(flags):
-                return flags[k + 1]
-            if f.startswith(flag + "="):
-                return f.split("=", 1)[1]
-        return ""
-    return ("fp8" if "fp8" in value("--quantization") else "bf16",
-            "fp8" if value("--kv-cache-dtype").startswith("fp8") else "bf16")
+    quant, kv = BRC.flag_value(flags, "--quantization") or "", BRC.flag_value(flags, "--kv-cache-dtype") or ""
+    return "fp8" if "fp8" in quant else "bf16", "fp8" if kv.startswith("fp8") else "bf16"
 
 
 def steps_with_tokens(run_log: list[str]) -> list[tuple[int, float, int, bool]]:
@@ -62,7 +45,7 @@ def steps_with_tokens(run_log: list[str]) -> list[tuple[int, float, int, bool]]:
         if _PREFILL.search(line):
             prefill = True
             continue
-        m = _STEP.search(line)
+        m = RG.DECODE_STEP.search(line)
         if m and m[2] is not None and int(m[1]) > 0 and float(m[3]) > 0:
             out.append((int(m[1]), int(m[1]) / float(m[3]), int(m[2]), prefill))
         prefill = prefill and not m
@@ -134,14 +117,18 @@ def _cell(r: dict) -> str:
 
 
 def measure_bandwidth_gbps(timeout_s: float = 120) -> tuple[float | None, str]:
-    """(GB/s, how) of a device-to-device copy in a child process; (None, why) where it cannot run."""
+    """(GB/s, how) of the roofline's device-to-device copy in a child process; (None, why) where it cannot run."""
+    code = _MEASURE.format(scripts=os.path.dirname(os.path.abspath(__file__)))
     try:
-        done = subprocess.run([sys.executable, "-c", _MEASURE], capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"the copy did not run ({e!r})"
     if done.returncode != 0:
         return None, f"the copy failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}"
-    return float(done.stdout.strip().splitlines()[-1]), "measured before the servers started (copy of 1 GiB)"
+    copy = json.loads(done.stdout.strip().splitlines()[-1])
+    if "gbps" not in copy:
+        return None, f"the copy failed: {copy.get('skipped', '?')}"
+    return float(copy["gbps"]), "measured before the servers started (copy of 1 GiB)"
 
 
 def set_bandwidth(meta: dict, given: float | None, recorded: float | None, measure: bool = False) -> None:

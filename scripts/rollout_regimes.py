@@ -18,16 +18,18 @@ BANDS = (("1", 1, 1), ("2", 2, 2), ("3-4", 3, 4), ("5-8", 5, 8), ("9-16", 9, 16)
          ("513+", 513, 1 << 30))
 # a scheduler decode log line up to its running requests (with DP attention SGLang adds the rank: "Decode batch [0]")
 DECODE_LINE = r"Decode batch(?: \[\d+\])?, #running-req: (\d+),"
-_DECODE = re.compile(DECODE_LINE + r".*gen throughput \(token/s\): ([0-9.]+)")
+# a decode step's line: its running requests, the KV tokens they hold (``#token``, where the line has it) and the
+# generation throughput since the line before
+DECODE_STEP = re.compile(DECODE_LINE + r"(?: #token: (\d+),)?.*gen throughput \(token/s\): ([0-9.]+)")
 
 
 def decode_steps(run_log: list[str]) -> list[tuple[int, float]]:
     """(running requests, step seconds) per decode log line with a positive throughput."""
     steps = []
     for line in run_log:
-        m = _DECODE.search(line)
-        if m and float(m[2]) > 0:
-            steps.append((int(m[1]), int(m[1]) / float(m[2])))
+        m = DECODE_STEP.search(line)
+        if m and float(m[3]) > 0:
+            steps.append((int(m[1]), int(m[1]) / float(m[3])))
     return steps
 
 

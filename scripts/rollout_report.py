@@ -184,8 +184,9 @@ def _graph_cell(r: dict) -> str:
             f"{100 * r['no_graph_token_share']:.1f} % of tokens")
 
 
-def format_summary(results: dict[str, dict], meta: dict) -> str:
-    """summary.md: the table (ratios vs the baseline of pick_baseline), workload, definitions, per-config notes."""
+def format_summary(results: dict[str, dict], meta: dict, floor: dict | None = None) -> str:
+    """summary.md: the table (ratios vs the baseline of pick_baseline), workload, definitions, per-config notes; with
+    ``floor`` (rollout_floor.context, as build_report had it) the decode steps against their floor."""
     pick = pick_baseline(results)
     base = pick["config"] or "?"
     inp = meta.get("input_lengths")
@@ -230,9 +231,8 @@ def format_summary(results: dict[str, dict], meta: dict) -> str:
     regimes = RG.format_regimes({name: results[name].get("regimes") or {} for name in order})
     if regimes:
         lines += [regimes, ""]
-    ctx = RF.context(meta)
-    floors = ctx and RF.format_floors({name: results[name].get("floors") or {} for name in order}, ctx["gbps"],
-                                      ctx["card"] if ctx["peaks"] else None)
+    floors = floor and RF.format_floors({name: results[name].get("floors") or {} for name in order}, floor["gbps"],
+                                        floor["card"] if floor["peaks"] else None)
     if floors:
         lines += [floors, ""]
     elif meta.get("bandwidth_source"):
@@ -275,8 +275,9 @@ def plot_curves(records: dict[str, dict], results: dict[str, dict], path: str, t
 def write_outputs(out: str, records: dict[str, dict], meta: dict, workload: dict) -> str:
     """results.json, summary.md, answers.json and completion.png into out; returns the summary text."""
     os.makedirs(out, exist_ok=True)
-    results = build_report(records, meta["workload"]["num_prompts"], RF.context(meta))
-    text = format_summary(results, meta)
+    floor = RF.context(meta)
+    results = build_report(records, meta["workload"]["num_prompts"], floor)
+    text = format_summary(results, meta, floor)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(out, "results.json"), "w") as f:
